@@ -1,0 +1,12 @@
+"""fairseq user dir that makes ``--ddp-backend fully_sharded`` shard per layer and save memory.
+
+Loading it (``--user-dir fairseq_shard_plugin``) registers the plugin's tasks and installs
+its trainer; runs with any other ``--ddp-backend`` behave exactly as stock fairseq.
+"""
+
+from fairseq_shard_plugin import sharded_translation  # noqa: F401  (registers the task)
+from fairseq_shard_plugin.integration import install
+
+__version__ = "0.1.0"
+
+install()

@@ -1,0 +1,43 @@
+"""Log a step's peak memory, max over ranks, as fairseq metrics on every log line."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from fairseq.logging import metrics
+
+from fairseq_shard_plugin.memory import GIB, StepMemory
+
+PEAK_KEY = "peak_mem_gb"  # CUDA max allocated, or peak live tensor bytes on CPU
+RESERVED_KEY = "peak_reserved_gb"  # CUDA only: the caching allocator's peak
+STATE_KEY = "state_mem_gb"  # parameters + gradients + optimizer state held by a rank
+
+
+def _log_max(key: str, value_gb: float, priority: int) -> None:
+    """Log ``key`` as the maximum over the aggregation window (a log interval, an epoch).
+
+    The values go into a hidden concatenating meter (fairseq can checkpoint it) and a
+    derived meter reports their maximum.
+    """
+    hidden = "_" + key
+    metrics.log_concat_tensor(hidden, torch.tensor([value_gb]), priority=priority)
+    metrics.log_derived(
+        key, lambda meters: round(float(meters[hidden].tensor.max()), 3), priority=priority
+    )
+
+
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def log_step_memory(step: StepMemory, state_bytes: int, device: torch.device) -> None:
+    """All-reduce the rank's figures (MAX) and log them; every rank must call this."""
+    reserved = step.peak_reserved if step.peak_reserved is not None else 0
+    peak, reserved, state = max_over_ranks([step.peak_allocated, reserved, state_bytes], device)
+    _log_max(PEAK_KEY, peak / GIB, priority=900)
+    if step.peak_reserved is not None:
+        _log_max(RESERVED_KEY, reserved / GIB, priority=901)
+    _log_max(STATE_KEY, state / GIB, priority=902)

@@ -1,0 +1,47 @@
+"""The plugin's sharding options: one dataclass, mixed into the plugin's task configs.
+
+Fields become ordinary fairseq flags (``shard_engine`` -> ``--shard-engine``) and Hydra keys
+(``task.shard_engine``). A run whose task does not carry them gets the defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+
+SHARD_ENGINES = ChoiceEnum(["fsdp2"])
+
+
+@dataclass
+class ShardingConfig(FairseqDataclass):
+    """Options of ``--ddp-backend fully_sharded`` when the plugin is loaded."""
+
+    shard_engine: SHARD_ENGINES = field(  # type: ignore[valid-type]
+        default="fsdp2",
+        metadata={"help": "sharding engine: fsdp2 (torch fully_shard; CPU/gloo and CUDA/NCCL)"},
+    )
+    keep_root_gathered: bool = field(
+        default=False,
+        metadata={
+            "help": "keep the root unit's parameters gathered between forward and backward, "
+            "as fairscale's root does in stock fairseq (costs memory; for comparison)"
+        },
+    )
+    no_memory_report: bool = field(
+        default=False,
+        metadata={
+            "help": "do not log per-step peak memory (on CPU the live-tensor meter costs time)"
+        },
+    )
+
+
+def sharding_options(task_cfg: Any) -> ShardingConfig:
+    """Read the sharding options from a task config, with defaults for absent fields."""
+    values = {}
+    for option in fields(ShardingConfig):
+        value = getattr(task_cfg, option.name, None) if task_cfg is not None else None
+        if value is not None:
+            values[option.name] = value
+    return ShardingConfig(**values)

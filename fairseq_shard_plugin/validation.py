@@ -1,0 +1,63 @@
+"""Refuse configurations that cannot work, before any training starts, naming the flag."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fairseq_shard_plugin.launch_env import launched_by_torchrun, uses_cuda
+from fairseq_shard_plugin.options import sharding_options
+
+
+class ShardingConfigError(ValueError):
+    """A configuration the plugin cannot train; the message says what to change."""
+
+
+def is_sharded_run(cfg: Any) -> bool:
+    return cfg.distributed_training.ddp_backend == "fully_sharded"
+
+
+def check_sharded_config(cfg: Any) -> None:
+    """Raise :class:`ShardingConfigError` for a sharded run that cannot work."""
+    common, dist_cfg = cfg.common, cfg.distributed_training
+    sharding_options(cfg.task)  # rejects unknown engine names early
+    if common.fp16 or common.bf16 or common.memory_efficient_fp16 or common.memory_efficient_bf16:
+        raise ShardingConfigError(
+            "16-bit training is not supported by this plugin version with "
+            "--ddp-backend fully_sharded: remove --fp16/--bf16/--memory-efficient-*"
+        )
+    if common.amp:
+        raise ShardingConfigError("--amp is not supported with --ddp-backend fully_sharded: remove --amp")
+    if dist_cfg.zero_sharding != "none":
+        raise ShardingConfigError(
+            "--zero-sharding is redundant with --ddp-backend fully_sharded (optimizer state "
+            "is already sharded): remove --zero-sharding"
+        )
+    if cfg.optimization.use_bmuf:
+        raise ShardingConfigError("--use-bmuf cannot be combined with --ddp-backend fully_sharded")
+    if dist_cfg.cpu_offload:
+        raise ShardingConfigError(
+            "--cpu-offload is not supported by this plugin version: remove --cpu-offload"
+        )
+    if dist_cfg.use_sharded_state:
+        raise ShardingConfigError(
+            "--use-sharded-state is fairscale's checkpoint format; the plugin writes "
+            "consolidated checkpoints: remove --use-sharded-state"
+        )
+    if common.model_parallel_size > 1 or dist_cfg.pipeline_model_parallel:
+        raise ShardingConfigError(
+            "model/pipeline parallelism cannot be combined with --ddp-backend fully_sharded: "
+            "remove --model-parallel-size/--pipeline-model-parallel"
+        )
+    if common.tpu:
+        raise ShardingConfigError("--tpu is not supported with --ddp-backend fully_sharded")
+    if (
+        not uses_cuda(cfg)
+        and dist_cfg.distributed_world_size > 1
+        and dist_cfg.distributed_init_method is None
+        and not launched_by_torchrun()
+    ):
+        raise ShardingConfigError(
+            f"{dist_cfg.distributed_world_size} CPU ranks need a launcher: run "
+            f"`torchrun --nproc_per_node {dist_cfg.distributed_world_size} "
+            "$(which fairseq-train) ...` instead of --distributed-world-size"
+        )

@@ -1,0 +1,92 @@
+"""Engine-independent wrap policy: which modules of a fairseq model form sharding units.
+
+Units are chosen by module class, like torch's ``ModuleWrapPolicy``, so every fairseq
+model built from transformer layers is covered (``transformer``, ``bart``/``mbart``,
+``transformer_lm``), whatever ``--min-params-to-wrap`` says:
+
+- every encoder and decoder layer is its own unit;
+- vocabulary modules (token embeddings and the decoder's output projection) that share a
+  parameter form one unit together, so a tied 256K embedding is sharded once;
+- everything else (final layer norms, learned positions) belongs to the root unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+from fairseq.modules import LearnedPositionalEmbedding
+from fairseq.modules.transformer_layer import (
+    TransformerDecoderLayerBase,
+    TransformerEncoderLayerBase,
+)
+
+LAYER_CLASSES: tuple[type[nn.Module], ...] = (
+    TransformerEncoderLayerBase,
+    TransformerDecoderLayerBase,
+)
+OUTPUT_PROJECTION_NAME = "output_projection"
+
+
+@dataclass(frozen=True)
+class ShardUnit:
+    """Modules sharded and gathered together, and whether to free them after forward."""
+
+    name: str
+    modules: tuple[nn.Module, ...]
+    reshard_after_forward: bool = True
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """Units in the order they must be applied: inner units first, the root last."""
+
+    units: tuple[ShardUnit, ...]
+    root: ShardUnit
+
+
+def _is_vocabulary_module(name: str, module: nn.Module) -> bool:
+    if isinstance(module, nn.Embedding):
+        return not isinstance(module, LearnedPositionalEmbedding)
+    return isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] == OUTPUT_PROJECTION_NAME
+
+
+def _group_by_shared_parameters(
+    candidates: list[tuple[str, nn.Module]],
+) -> list[list[tuple[str, nn.Module]]]:
+    """Group modules that share any parameter object (tied embeddings)."""
+    groups: list[tuple[set[int], list[tuple[str, nn.Module]]]] = []
+    for name, module in candidates:
+        param_ids = {id(p) for p in module.parameters()}
+        members = [(name, module)]
+        for group in [g for g in groups if g[0] & param_ids]:
+            groups.remove(group)
+            param_ids |= group[0]
+            members = group[1] + members
+        groups.append((param_ids, members))
+    return [members for _, members in groups]
+
+
+def build_plan(model: nn.Module, keep_root_gathered: bool = False) -> ShardingPlan:
+    """Return the sharding plan for a fairseq model."""
+    layers: list[ShardUnit] = []
+    candidates: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    layer_prefixes: list[str] = []
+    for name, module in model.named_modules(remove_duplicate=True):
+        if id(module) in seen or any(name.startswith(p) for p in layer_prefixes):
+            continue
+        seen.add(id(module))
+        if isinstance(module, LAYER_CLASSES):
+            layers.append(ShardUnit(name, (module,)))
+            layer_prefixes.append(name + ".")
+        elif _is_vocabulary_module(name, module) and any(
+            p.requires_grad for p in module.parameters()
+        ):
+            candidates.append((name, module))
+    vocabulary = [
+        ShardUnit("+".join(n for n, _ in group), tuple(m for _, m in group))
+        for group in _group_by_shared_parameters(candidates)
+    ]
+    root = ShardUnit("<root>", (model,), reshard_after_forward=not keep_root_gathered)
+    return ShardingPlan(units=tuple(layers + vocabulary), root=root)

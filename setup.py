@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="fairseq-shard-plugin",
+    version="0.1.0",
+    description="fairseq --user-dir plugin: per-layer parameter sharding that reduces memory",
+    packages=find_packages(include=["fairseq_shard_plugin", "fairseq_shard_plugin.*"]),
+    python_requires=">=3.10",
+    # torch and fairseq are not pinned here: an existing fairseq (e.g. the NLLB branch) and
+    # its torch must never be replaced. Install torch first (the Makefile pins 2.13.0).
+    install_requires=["torch>=2.6"],
+    extras_require={
+        # A prebuilt Python 3.11 build of fairseq 0.12.3, for machines without one.
+        "fairseq": ["ve-fairseq==0.12.3"],
+        "fairscale": ["fairscale==0.4.13"],
+        "test": ["pytest>=8", "ruff>=0.6"],
+        "bench": ["matplotlib>=3.8"],
+    },
+    entry_points={
+        "console_scripts": [
+            "fairseq-shard-synthetic-data=fairseq_shard_plugin.synthetic_corpus:main",
+        ],
+    },
+)
