@@ -19,6 +19,7 @@ setup(
     entry_points={
         "console_scripts": [
             "fairseq-shard-synthetic-data=fairseq_shard_plugin.synthetic_corpus:main",
+            "fairseq-shard-measure-train=fairseq_shard_plugin.measured_run:main",
         ],
     },
 )

@@ -29,7 +29,8 @@ def tensor_storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
         current = pending.pop()
         if is_traceable_wrapper_subclass(current):
             names, _ = current.__tensor_flatten__()
-            pending.extend(getattr(current, name) for name in names)
+            inner = (getattr(current, name) for name in names)
+            pending.extend(t for t in inner if isinstance(t, torch.Tensor))
         elif current.device.type != "meta":
             yield current.untyped_storage()
 

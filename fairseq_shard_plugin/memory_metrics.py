@@ -22,7 +22,7 @@ def _log_max(key: str, value_gb: float, priority: int) -> None:
     hidden = "_" + key
     metrics.log_concat_tensor(hidden, torch.tensor([value_gb]), priority=priority)
     metrics.log_derived(
-        key, lambda meters: round(float(meters[hidden].tensor.max()), 3), priority=priority
+        key, lambda meters: round(float(meters[hidden].tensor.max()), 4), priority=priority
     )
 
 

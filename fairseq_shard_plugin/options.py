@@ -1,10 +1,11 @@
 """The plugin's sharding options: one dataclass, mixed into the plugin's task configs.
 
+
 Fields become ordinary fairseq flags (``shard_engine`` -> ``--shard-engine``) and Hydra keys
 (``task.shard_engine``). A run whose task does not carry them gets the defaults.
+No ``from __future__ import annotations`` here: fairseq reads the field types at runtime.
 """
 
-from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -37,7 +38,7 @@ class ShardingConfig(FairseqDataclass):
     )
 
 
-def sharding_options(task_cfg: Any) -> ShardingConfig:
+def sharding_options(task_cfg: Any) -> "ShardingConfig":
     """Read the sharding options from a task config, with defaults for absent fields."""
     values = {}
     for option in fields(ShardingConfig):

@@ -1,6 +1,5 @@
 """Task ``sharded_translation``: fairseq's ``translation`` plus the sharding options."""
 
-from __future__ import annotations
 
 from dataclasses import dataclass
 

@@ -1,0 +1,43 @@
+"""``fairseq-shard-measure-train``: run ``fairseq-train`` under the live-tensor meter.
+
+Measures any fairseq training, with or without the plugin, the same way: the peak of live
+CPU tensor bytes over the whole process (model construction, training, validation), and
+the peak resident set size. Each rank writes ``{"rank", "peak_bytes", "peak_rss_bytes"}``
+as JSON to the ``--measure-out`` path, where ``{rank}`` is replaced by torchrun's rank.
+
+    fairseq-shard-measure-train --measure-out mem-{rank}.json DATA --arch ... (fairseq args)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from fairseq_shard_plugin.memory import LiveTensorMeter, peak_rss_bytes
+
+USAGE = "usage: fairseq-shard-measure-train --measure-out PATH_WITH_{rank}.json FAIRSEQ_ARGS..."
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if len(argv) < 2 or argv[0] != "--measure-out":
+        sys.exit(USAGE)
+    rank = int(os.environ.get("RANK", "0"))
+    out = Path(argv[1].replace("{rank}", str(rank)))
+    sys.argv = ["fairseq-train", *argv[2:]]
+    from fairseq_cli.train import cli_main
+
+    meter = LiveTensorMeter()
+    try:
+        with meter:
+            cli_main()
+    finally:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        record = {"rank": rank, "peak_bytes": meter.peak_bytes, "peak_rss_bytes": peak_rss_bytes()}
+        out.write_text(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
