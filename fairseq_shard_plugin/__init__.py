@@ -6,7 +6,9 @@ its trainer; runs with any other ``--ddp-backend`` behave exactly as stock fairs
 
 from fairseq_shard_plugin import sharded_translation  # noqa: F401  (registers the task)
 from fairseq_shard_plugin.integration import install
+from fairseq_shard_plugin.safe_loading import allow_fairseq_checkpoint_types
 
 __version__ = "0.1.0"
 
+allow_fairseq_checkpoint_types()
 install()

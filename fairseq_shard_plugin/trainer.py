@@ -54,6 +54,10 @@ class ShardedTrainer(Trainer):
             dist.get_world_size(),
             self.sharding_options.shard_engine,
         )
+        # Every rank reads the consolidated checkpoint itself and keeps its own slice;
+        # fairseq's rank-0 broadcast would re-pickle the OmegaConf config, which
+        # weights_only loading (rightly) refuses on the receiving ranks.
+        cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
         super().__init__(cfg, task, model, criterion, quantizer)
         self._memory_probe = (
             None if self.sharding_options.no_memory_report else StepMemoryProbe(self.device)
