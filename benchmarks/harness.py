@@ -1,0 +1,117 @@
+"""Launch fairseq trainings on CPU ranks (plugin or stock) and read their logs back.
+
+Shared by the tests and the benchmarks so both run trainings exactly the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGIN_DIR = REPO / "fairseq_shard_plugin"
+STOCK_LAUNCH = REPO / "benchmarks" / "stock_launch.sh"
+BIN = Path(sys.executable).parent
+# fairseq's "| INFO | train_inner | {...}", or Python's default "INFO:train_inner:{...}"
+LOG_LINE = re.compile(r"(?:\| |INFO:)(train_inner|train|valid)(?: \| |:)(\{.*\})\s*$")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def transformer_args(dim: int, ffn: int, layers: int, heads: int = 4) -> list[str]:
+    """A pre-norm transformer with all embeddings shared, as in the NLLB recipes."""
+    return [
+        "--arch", "transformer", "--share-all-embeddings",
+        "--encoder-normalize-before", "--decoder-normalize-before",
+        "--encoder-layers", str(layers), "--decoder-layers", str(layers),
+        "--encoder-embed-dim", str(dim), "--decoder-embed-dim", str(dim),
+        "--encoder-ffn-embed-dim", str(ffn), "--decoder-ffn-embed-dim", str(ffn),
+        "--encoder-attention-heads", str(heads), "--decoder-attention-heads", str(heads),
+        "--dropout", "0.0",
+    ]
+
+
+def training_args(
+    data: Path, save_dir: Path, max_update: int, max_tokens: int = 512, seed: int = 1
+) -> list[str]:
+    """fp32 Adam with label smoothing, one JSON log line per update."""
+    return [
+        str(data), "--cpu", "--save-dir", str(save_dir),
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "1e-3",
+        "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10",
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--max-tokens", str(max_tokens), "--max-update", str(max_update),
+        "--seed", str(seed), "--clip-norm", "1.0",
+        "--log-format", "json", "--log-interval", "1", "--num-workers", "0",
+    ]
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    output: str
+    logs: dict[str, list[dict]] = field(default_factory=dict)
+    memory: list[dict] = field(default_factory=list)  # per rank, from the measured run
+
+    def series(self, kind: str, key: str) -> list[float]:
+        return [float(entry[key]) for entry in self.logs.get(kind, []) if key in entry]
+
+
+def parse_logs(output: str) -> dict[str, list[dict]]:
+    logs: dict[str, list[dict]] = {"train_inner": [], "train": [], "valid": []}
+    for line in output.splitlines():
+        match = LOG_LINE.search(line)
+        if match:
+            logs[match.group(1)].append(json.loads(match.group(2)))
+    return logs
+
+
+def run_training(
+    args: list[str],
+    nproc: int,
+    plugin: bool,
+    measure_dir: Path | None = None,
+    timeout: float = 600,
+    check: bool = True,
+) -> RunResult:
+    """Train on ``nproc`` gloo ranks: the plugin with fully_sharded, or stock legacy_ddp.
+
+    With ``measure_dir`` every rank runs under ``fairseq-shard-measure-train`` and its
+    whole-process peak of live tensor bytes is returned in ``RunResult.memory``.
+    """
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    measure = (
+        ["--measure-out", str(measure_dir / "rank{rank}.json")] if measure_dir else []
+    )
+    torchrun = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc),
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    if plugin:
+        entry = [str(BIN / "fairseq-shard-measure-train"), *measure] if measure_dir else [
+            str(BIN / "fairseq-train")]
+        command = [*torchrun, *entry, *args, "--user-dir", str(PLUGIN_DIR),
+                   "--ddp-backend", "fully_sharded"]
+    else:
+        if measure_dir:
+            env["FAIRSEQ_TRAIN"] = " ".join(["fairseq-shard-measure-train", *measure])
+        command = [*torchrun, "--no-python", str(STOCK_LAUNCH), *args,
+                   "--ddp-backend", "legacy_ddp"]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True,
+                               timeout=timeout, cwd=REPO)
+    output = completed.stdout + completed.stderr
+    if check and completed.returncode != 0:
+        raise RuntimeError(f"training failed ({completed.returncode}):\n{output[-6000:]}")
+    memory = []
+    if measure_dir:
+        memory = [json.loads(p.read_text()) for p in sorted(measure_dir.glob("rank*.json"))]
+    return RunResult(completed.returncode, output, parse_logs(output), memory)

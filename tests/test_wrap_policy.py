@@ -1,0 +1,79 @@
+"""The wrap policy picks units by layer class on real fairseq models of several families."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch.nn as nn
+from fairseq import options, tasks
+
+import fairseq_shard_plugin  # noqa: F401  (registers the plugin, as --user-dir does)
+from fairseq_shard_plugin.wrap_policy import LAYER_CLASSES, build_plan
+
+SMALL = [
+    "--encoder-layers", "2", "--decoder-layers", "3",
+    "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+    "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
+    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+]
+LM_SMALL = ["--decoder-layers", "3", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim",
+            "64", "--decoder-attention-heads", "2", "--tokens-per-sample", "64"]
+
+
+def build_model(data: Path, task: str, arch: str, extra: list[str]) -> nn.Module:
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [str(data), "--task", task, "--arch", arch, *extra])
+    return tasks.setup_task(args).build_model(args)
+
+
+def unit_names(model: nn.Module) -> list[str]:
+    return [unit.name for unit in build_plan(model).units]
+
+
+LAYERS = ["encoder.layers.0", "encoder.layers.1",
+          "decoder.layers.0", "decoder.layers.1", "decoder.layers.2"]
+
+
+@pytest.mark.parametrize("arch", ["transformer", "bart_base", "mbart_large"])
+def test_encoder_decoder_layers_and_tied_vocabulary(corpus: Path, arch: str) -> None:
+    model = build_model(corpus, "translation", arch, [*SMALL, "--share-all-embeddings"])
+    assert unit_names(model) == [*LAYERS, "encoder.embed_tokens+decoder.output_projection"]
+    vocabulary = build_plan(model).units[-1]
+    assert model.decoder.embed_tokens in vocabulary.modules  # the same module as the encoder's
+
+
+def test_untied_embeddings_are_separate_units(corpus: Path) -> None:
+    model = build_model(corpus, "translation", "transformer", SMALL)
+    assert unit_names(model) == [
+        *LAYERS, "encoder.embed_tokens", "decoder.embed_tokens", "decoder.output_projection"
+    ]
+
+
+def test_decoder_only_language_model(corpus: Path, tmp_path: Path) -> None:
+    shutil.copytree(corpus, tmp_path / "lm")
+    shutil.copy(tmp_path / "lm" / "dict.src.txt", tmp_path / "lm" / "dict.txt")
+    model = build_model(tmp_path / "lm", "language_modeling", "transformer_lm",
+                        [*LM_SMALL, "--share-decoder-input-output-embed"])
+    assert unit_names(model) == [
+        "decoder.layers.0", "decoder.layers.1", "decoder.layers.2",
+        "decoder.embed_tokens+decoder.output_projection",
+    ]
+
+
+def test_every_layer_is_a_unit_whatever_min_params_to_wrap_says(corpus: Path) -> None:
+    model = build_model(corpus, "translation", "transformer",
+                        [*SMALL, "--min-params-to-wrap", "100000000"])
+    layers = [m for m in model.modules() if isinstance(m, LAYER_CLASSES)]
+    plan = build_plan(model)
+    assert [unit.modules[0] for unit in plan.units[: len(layers)]] == layers
+    assert all(unit.reshard_after_forward for unit in plan.units)
+
+
+def test_root_reshards_unless_asked_to_keep_it_gathered(corpus: Path) -> None:
+    model = build_model(corpus, "translation", "bart_base", SMALL)
+    assert build_plan(model).root.reshard_after_forward
+    assert not build_plan(model, keep_root_gathered=True).root.reshard_after_forward
+    # learned positions and final norms stay in the root
+    assert not any("embed_positions" in name for name in unit_names(model))
