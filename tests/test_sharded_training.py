@@ -1,0 +1,120 @@
+"""Real fairseq-train runs on CPU gloo ranks: the plugin against stock fairseq."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.harness import (
+    BIN, PLUGIN_DIR, REPO, RunResult, free_port, run_training, training_args, transformer_args,
+)
+
+TINY = transformer_args(dim=64, ffn=128, layers=2)
+UPDATES = 20
+
+
+def relative_difference(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def stock_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    save_dir = tmp_path_factory.mktemp("stock")
+    return run_training(training_args(corpus, save_dir, UPDATES) + TINY, nproc=2, plugin=False)
+
+
+@pytest.fixture(scope="module")
+def sharded_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[RunResult, Path]:
+    save_dir = tmp_path_factory.mktemp("sharded")
+    args = training_args(corpus, save_dir, UPDATES) + TINY + ["--task", "sharded_translation"]
+    return run_training(args, nproc=2, plugin=True), save_dir
+
+
+def test_each_layer_is_a_unit_and_each_rank_holds_its_slice(corpus: Path, tmp_path: Path) -> None:
+    command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+               str(REPO / "tests" / "helpers" / "inspect_sharding.py"), str(tmp_path), str(corpus),
+               *TINY, "--task", "sharded_translation", "--optimizer", "adam", "--lr", "1e-3",
+               "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+               "--cpu", "--ddp-backend", "fully_sharded"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(report["layers"]) == 4
+        assert all(layer["is_unit"] and layer["owns_exactly"] for layer in report["layers"].values())
+        for name, param in report["params"].items():
+            assert param["dtensor"] and param["slice_matches"], name
+        held = sum(p["local_numel"] for p in report["params"].values())
+        total = sum(p["full_numel"] for p in report["params"].values())
+        assert abs(held / total - 0.5) < 0.01
+        assert report["sharded_grad_norm"] == pytest.approx(report["gathered_grad_norm"], rel=1e-5)
+
+
+def test_sharded_loss_matches_stock_unsharded_run(
+    stock_run: RunResult, sharded_run: tuple[RunResult, Path]
+) -> None:
+    sharded, _ = sharded_run
+    stock_loss = stock_run.series("train_inner", "loss")
+    sharded_loss = sharded.series("train_inner", "loss")
+    assert len(stock_loss) == len(sharded_loss) == UPDATES
+    assert relative_difference(sharded_loss, stock_loss) <= 1e-4
+    assert sharded_loss[-1] < sharded_loss[0]
+    valid = sharded.series("valid", "valid_loss")
+    assert valid and relative_difference(valid, stock_run.series("valid", "valid_loss")) <= 1e-4
+
+
+def test_every_log_line_carries_peak_memory(sharded_run: tuple[RunResult, Path]) -> None:
+    sharded, _ = sharded_run
+    for entry in sharded.logs["train_inner"]:
+        assert float(entry["peak_mem_gb"]) > 0
+        assert 0 < float(entry["state_mem_gb"]) <= float(entry["peak_mem_gb"])
+
+
+def test_plugin_with_another_ddp_backend_behaves_as_stock(
+    corpus: Path, tmp_path: Path, stock_run: RunResult
+) -> None:
+    args = training_args(corpus, tmp_path, UPDATES) + TINY + [
+        "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "legacy_ddp"]
+    run = run_training(args, nproc=2, plugin=False)
+    assert run.series("train_inner", "loss") == stock_run.series("train_inner", "loss")
+    assert "peak_mem_gb" not in run.logs["train_inner"][0]
+
+
+def test_checkpoint_is_a_standard_full_checkpoint(
+    corpus: Path, sharded_run: tuple[RunResult, Path]
+) -> None:
+    _, save_dir = sharded_run
+    state = torch.load(save_dir / "checkpoint_last.pt", weights_only=True)
+    embedding = state["model"]["encoder.embed_tokens.weight"]
+    assert type(embedding) is torch.Tensor and embedding.shape == (608, 64)
+    exp_avg = state["last_optimizer_state"]["state"][0]["exp_avg"]
+    assert type(exp_avg) is torch.Tensor and exp_avg.shape[0] > 1
+    generated = subprocess.run(
+        [str(BIN / "fairseq-generate"), str(corpus), "--path", str(save_dir / "checkpoint_last.pt"),
+         "--user-dir", str(PLUGIN_DIR), "--cpu", "--beam", "2", "--max-tokens", "1000",
+         "--max-len-b", "20"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    hypotheses = [line for line in generated.stdout.splitlines() if line.startswith("H-")]
+    translated = re.search(r"Translated (\d+) sentences", generated.stderr + generated.stdout)
+    assert translated and len(hypotheses) == int(translated.group(1)) > 0
+
+
+def test_resume_continues_from_the_sharded_checkpoint(
+    corpus: Path, sharded_run: tuple[RunResult, Path], tmp_path: Path
+) -> None:
+    _, save_dir = sharded_run
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    (resumed_dir / "checkpoint_last.pt").write_bytes((save_dir / "checkpoint_last.pt").read_bytes())
+    args = training_args(corpus, resumed_dir, UPDATES + 5) + TINY
+    run = run_training(args, nproc=2, plugin=True)
+    assert "Loaded checkpoint" in run.output
+    updates = run.series("train_inner", "num_updates")
+    assert updates[0] == UPDATES + 1 and updates[-1] == UPDATES + 5
