@@ -29,7 +29,11 @@ import fairseq.distributed.utils as distributed_utils
 import fairseq_cli.train as train_cli
 
 from fairseq_shard_plugin.launch_env import apply_torchrun_environment
-from fairseq_shard_plugin.validation import ShardingConfigError, check_sharded_config, is_sharded_run
+from fairseq_shard_plugin.validation import (
+    ShardingConfigError,
+    check_sharded_config,
+    is_sharded_run,
+)
 
 _HOOKED_NAMES = ("fsdp_enable_wrap", "fsdp_wrap", "Trainer")
 _INSTALLED_MARK = "_fairseq_shard_plugin_installed"
@@ -75,7 +79,8 @@ def _train_modules() -> list[Any]:
     """``fairseq_cli.train``, and ``__main__`` when run as ``python -m fairseq_cli.train``."""
     modules = [train_cli]
     main = sys.modules.get("__main__")
-    if main is not None and getattr(getattr(main, "__spec__", None), "name", "") == train_cli.__name__:
+    spec_name = getattr(getattr(main, "__spec__", None), "name", "")
+    if main is not None and spec_name == train_cli.__name__:
         modules.append(main)
     return modules
 

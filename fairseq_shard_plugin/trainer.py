@@ -46,7 +46,8 @@ class ShardedTrainer(Trainer):
         use_cuda = uses_cuda(cfg)
         ensure_process_group(use_cuda)
         self.sharding_plan = build_plan(model, self.sharding_options.keep_root_gathered)
-        fsdp2.apply_plan(self.sharding_plan, fsdp2.data_parallel_mesh("cuda" if use_cuda else "cpu"))
+        mesh = fsdp2.data_parallel_mesh("cuda" if use_cuda else "cpu")
+        fsdp2.apply_plan(self.sharding_plan, mesh)
         logger.info(
             "sharded %d units (%s) and the root over %d ranks with %s",
             len(self.sharding_plan.units),
@@ -102,17 +103,22 @@ class ShardedTrainer(Trainer):
             logging_output = super().train_step(samples, raise_oom)
         finally:
             step_memory = self._memory_probe.stop()
-        log_step_memory(step_memory, storage_bytes(self._resident_tensors()), self.device)
+        log_step_memory(step_memory, storage_bytes(self._model_state_tensors()), self.device)
         return logging_output
 
     def _trainable_params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.optimizer.params if p.requires_grad]
 
     def _resident_tensors(self) -> Iterator[torch.Tensor]:
-        """Tensors alive between steps: parameters, buffers, gradients, optimizer state."""
+        """Tensors alive between steps: model state and buffers."""
+        for module in (self._model, self._criterion):
+            yield from module.buffers()
+        yield from self._model_state_tensors()
+
+    def _model_state_tensors(self) -> Iterator[torch.Tensor]:
+        """Parameters, gradients and optimizer state: what sharding divides by N."""
         for module in (self._model, self._criterion):
             yield from module.parameters()
-            yield from module.buffers()
         for param in self.optimizer.params:
             if param.grad is not None:
                 yield param.grad

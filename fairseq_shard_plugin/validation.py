@@ -26,7 +26,9 @@ def check_sharded_config(cfg: Any) -> None:
             "--ddp-backend fully_sharded: remove --fp16/--bf16/--memory-efficient-*"
         )
     if common.amp:
-        raise ShardingConfigError("--amp is not supported with --ddp-backend fully_sharded: remove --amp")
+        raise ShardingConfigError(
+            "--amp is not supported with --ddp-backend fully_sharded: remove --amp"
+        )
     if dist_cfg.zero_sharding != "none":
         raise ShardingConfigError(
             "--zero-sharding is redundant with --ddp-backend fully_sharded (optimizer state "

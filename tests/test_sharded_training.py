@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from benchmarks.harness import (
-    BIN, PLUGIN_DIR, REPO, RunResult, free_port, run_training, training_args, transformer_args,
+    BIN,
+    PLUGIN_DIR,
+    REPO,
+    RunResult,
+    free_port,
+    run_training,
+    training_args,
+    transformer_args,
 )
 
 TINY = transformer_args(dim=64, ffn=128, layers=2)
@@ -46,7 +53,8 @@ def test_each_layer_is_a_unit_and_each_rank_holds_its_slice(corpus: Path, tmp_pa
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(report["layers"]) == 4
-        assert all(layer["is_unit"] and layer["owns_exactly"] for layer in report["layers"].values())
+        layers = report["layers"].values()
+        assert all(layer["is_unit"] and layer["owns_exactly"] for layer in layers)
         for name, param in report["params"].items():
             assert param["dtensor"] and param["slice_matches"], name
         held = sum(p["local_numel"] for p in report["params"].values())

@@ -45,7 +45,9 @@ def main() -> None:
             group = fully_shard.state(module)._fsdp_param_group
             owned = {id(p) for p in module.parameters()}
             in_group = {id(fp.sharded_param) for fp in group.fsdp_params}
-            layers[name] = {"is_unit": isinstance(module, FSDPModule), "owns_exactly": owned == in_group}
+            layers[name] = {
+                "is_unit": isinstance(module, FSDPModule), "owns_exactly": owned == in_group
+            }
 
     params = {}
     for name, param in model.named_parameters():
