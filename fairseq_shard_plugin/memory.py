@@ -9,7 +9,6 @@ the meter also follows resizes while it is active.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -17,13 +16,17 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 GIB = 1024**3
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def tensor_storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
     """Yield the plain storages behind a tensor, looking through wrappers such as DTensor."""
+    if type(tensor) in _PLAIN_TENSOR_TYPES:  # fast path: most operator outputs
+        if tensor.device.type != "meta":
+            yield tensor.untyped_storage()
+        return
     pending = [tensor]
     while pending:
         current = pending.pop()
@@ -81,9 +84,10 @@ class LiveTensorMeter(TorchDispatchMode):
 
     def __init__(self, resident: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
-        self._token_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._bytes_of: dict[int, int] = {}
-        self._tokens = itertools.count()
+        # id(storage) -> [weak reference, counted bytes]. PyTorch keeps one Python object
+        # per live storage, and the weak reference's callback drops the entry before that
+        # id can be reused, so ids identify storages while they are tracked.
+        self._tracked: dict[int, list] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
         for tensor in resident:
@@ -99,35 +103,40 @@ class LiveTensorMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self._track(leaf)
+        if isinstance(out, torch.Tensor):
+            self._track(out)
+        else:
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self._track(leaf)
         return out
 
     def _track(self, tensor: torch.Tensor) -> None:
         for storage in tensor_storages(tensor):
             if storage.device.type != "cpu":
                 continue
-            token = self._token_of.get(storage)
-            if token is None:
-                token = next(self._tokens)
-                self._token_of[storage] = token
-                self._bytes_of[token] = 0
-                weakref.finalize(storage, self._freed, token)
-            self._set(token, storage.nbytes())
+            entry = self._tracked.get(id(storage))
+            if entry is None:
+                key = id(storage)
+                entry = [weakref.ref(storage, lambda _, key=key: self._freed(key)), 0]
+                self._tracked[key] = entry
+            self._set(entry, storage.nbytes())
 
     def resized(self, storage: torch.UntypedStorage) -> None:
-        token = self._token_of.get(storage)
-        if token is not None:
-            self._set(token, storage.nbytes())
+        entry = self._tracked.get(id(storage))
+        if entry is not None:
+            self._set(entry, storage.nbytes())
 
-    def _set(self, token: int, nbytes: int) -> None:
-        self.live_bytes += nbytes - self._bytes_of[token]
-        self._bytes_of[token] = nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+    def _set(self, entry: list, nbytes: int) -> None:
+        self.live_bytes += nbytes - entry[1]
+        entry[1] = nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
 
-    def _freed(self, token: int) -> None:
-        self.live_bytes -= self._bytes_of.pop(token, 0)
+    def _freed(self, key: int) -> None:
+        entry = self._tracked.pop(key, None)
+        if entry is not None:
+            self.live_bytes -= entry[1]
 
 
 @dataclass(frozen=True)

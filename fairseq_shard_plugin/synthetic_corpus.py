@@ -42,7 +42,9 @@ def binarize(raw_dir: Path, bin_dir: Path, workers: int = 1) -> None:
                "--workers", str(workers)]
     for flag, prefix in prefixes.items():
         command += [flag, prefix]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    completed = subprocess.run(command, capture_output=True, text=True)
+    if completed.returncode != 0:
+        raise RuntimeError(f"fairseq-preprocess failed:\n{completed.stderr[-3000:]}")
 
 
 def main(argv: list[str] | None = None) -> None:

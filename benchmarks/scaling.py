@@ -1,0 +1,71 @@
+"""Per-rank memory of the same training on 1, 2 and 4 CPU ranks, and stock fairseq on 2.
+
+The model (d 512, ffn 2048, 2+2 layers, 128 tokens per batch) is sized so that parameters,
+gradients and Adam state dominate memory. Model state per rank comes from the plugin's
+``state_mem_gb`` log field; peaks are whole-process peaks of live tensor bytes, measured
+the same way for the plugin and stock fairseq by ``fairseq-shard-measure-train``.
+
+    python -m benchmarks.scaling        # writes benchmarks/results/scaling.{md,json}
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from benchmarks.harness import REPO, RunResult, run_training, training_args, transformer_args
+
+MODEL = transformer_args(dim=512, ffn=2048, layers=2)
+RUNS = [("plugin-1", 1, True), ("plugin-2", 2, True), ("plugin-4", 4, True), ("stock-2", 2, False)]
+MIB = 1024**2
+
+
+def measure_scaling(data: Path, work: Path) -> dict[str, RunResult]:
+    """Train 4 updates in each configuration of ``RUNS``, each rank measured."""
+    results = {}
+    for name, nproc, plugin in RUNS:
+        args = training_args(data, work / name / "save", max_update=4, max_tokens=128)
+        args += MODEL + ["--no-save", "--disable-validation"]
+        results[name] = run_training(args, nproc=nproc, plugin=plugin,
+                                     measure_dir=work / name / "memory")
+    return results
+
+
+def state_gib(run: RunResult) -> float | None:
+    values = run.series("train", "train_state_mem_gb")
+    return values[-1] if values else None
+
+
+def peak_bytes(run: RunResult) -> int:
+    return max(rank["peak_bytes"] for rank in run.memory)
+
+
+def main() -> None:
+    from fairseq_shard_plugin.synthetic_corpus import binarize, write_raw
+
+    work = REPO / "demo_work" / "scaling"
+    shutil.rmtree(work, ignore_errors=True)
+    write_raw(work / "raw", vocab=300, sizes={"train": 1500, "valid": 100, "test": 100},
+              max_len=12, seed=1)
+    binarize(work / "raw", work / "bin")
+    runs = measure_scaling(work / "bin", work)
+    rows = [{"run": name, "ranks": nproc,
+             "model_state_mib_per_rank": None if state_gib(runs[name]) is None
+             else round(state_gib(runs[name]) * 1024, 1),
+             "peak_mib_per_rank": round(peak_bytes(runs[name]) / MIB, 1)}
+            for name, nproc, _ in RUNS]
+    table = "| run | ranks | model state / rank (MiB) | peak tensor memory / rank (MiB) |\n"
+    table += "|---|---|---|---|\n"
+    table += "".join(f"| {r['run']} | {r['ranks']} | {r['model_state_mib_per_rank'] or 'n/a'} "
+                     f"| {r['peak_mib_per_rank']} |\n" for r in rows)
+    table += "\nProduced by `.venv/bin/python -m benchmarks.scaling`.\n"
+    results = REPO / "benchmarks" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "scaling.md").write_text(table)
+    (results / "scaling.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
