@@ -1,4 +1,4 @@
-"""Global gradient norm over sharded gradients (one all-reduce) and clipping with it."""
+"""Global gradient norm over sharded gradients, with one all-reduce."""
 
 from __future__ import annotations
 
@@ -30,20 +30,3 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], device: torch.device)
     if has_sharded and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sharded)
     return (sharded + replicated).sqrt()
-
-
-def clip_grad_norm(
-    params: Iterable[torch.nn.Parameter], max_norm: float, device: torch.device
-) -> torch.Tensor:
-    """Scale gradients so their global norm is at most ``max_norm`` (0 disables clipping).
-
-    Returns the norm before clipping, as fairseq's ``clip_grad_norm_`` does.
-    """
-    params = [p for p in params if p.grad is not None]
-    total_norm = global_grad_norm(params, device)
-    if max_norm > 0:
-        coefficient = float(max_norm / (total_norm + 1e-6))
-        if coefficient < 1.0:
-            for param in params:
-                param.grad.mul_(coefficient)
-    return total_norm

@@ -13,8 +13,9 @@ Hooks, all in ``fairseq_cli.train`` (and ``fairseq.distributed.utils`` for the l
 2. ``Trainer``: ``train.py`` constructs ``fairseq.trainer.Trainer`` by name; under
    ``fully_sharded`` it becomes :class:`~fairseq_shard_plugin.trainer.ShardedTrainer`.
 3. ``distributed_utils.call_main``: fairseq derives world size and device from CUDA, which
-   breaks torchrun on CPU (see ``launch_env``); the wrapper also rejects unworkable sharded
-   configurations with a one-line error before any process group or data is touched.
+   breaks torchrun on CPU (see ``launch_env``); the wrapper also drops the ``--tpu`` that
+   fairseq's parser implies from ``--bf16``, and rejects unworkable sharded configurations
+   with a one-line error before any process group or data is touched.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import fairseq.distributed.utils as distributed_utils
 import fairseq_cli.train as train_cli
 
 from fairseq_shard_plugin.launch_env import apply_torchrun_environment
+from fairseq_shard_plugin.precision import untie_bf16_from_tpu
 from fairseq_shard_plugin.validation import (
     ShardingConfigError,
     check_sharded_config,
@@ -65,6 +67,7 @@ def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[
     def call_main(cfg: Any, main: Callable[..., Any], **kwargs: Any) -> Any:
         apply_torchrun_environment(cfg)
         if is_sharded_run(cfg):
+            untie_bf16_from_tpu(cfg)
             try:
                 check_sharded_config(cfg)
             except ShardingConfigError as error:

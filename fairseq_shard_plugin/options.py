@@ -30,6 +30,13 @@ class ShardingConfig(FairseqDataclass):
             "as fairscale's root does in stock fairseq (costs memory; for comparison)"
         },
     )
+    reduce_in_16_bit: bool = field(
+        default=False,
+        metadata={
+            "help": "with --fp16/--bf16, reduce-scatter gradients in 16 bits instead of fp32 "
+            "(halves gradient traffic; less precise)"
+        },
+    )
     no_memory_report: bool = field(
         default=False,
         metadata={

@@ -7,26 +7,54 @@ training loop (batching, logging, validation, checkpoint scheduling) runs unchan
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
+from itertools import chain
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from fairseq import optim
+from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 from torch.distributed.tensor.experimental import implicit_replication
 
 from fairseq_shard_plugin.engines import fsdp2
 from fairseq_shard_plugin.full_state import gather_full_state, shard_optimizer_state_like_params
-from fairseq_shard_plugin.gradients import clip_grad_norm
+from fairseq_shard_plugin.gradients import global_grad_norm
 from fairseq_shard_plugin.launch_env import uses_cuda
 from fairseq_shard_plugin.memory import StepMemoryProbe, storage_bytes
 from fairseq_shard_plugin.memory_metrics import log_step_memory
 from fairseq_shard_plugin.options import sharding_options
-from fairseq_shard_plugin.validation import check_sharded_config
+from fairseq_shard_plugin.precision import (
+    ShardedMasterOptimizer,
+    cast_buffers,
+    compute_dtype,
+    fp16_loss_scaler,
+    mixed_precision_policy,
+)
+from fairseq_shard_plugin.validation import ShardingConfigError, check_sharded_config
 from fairseq_shard_plugin.wrap_policy import build_plan
 
 logger = logging.getLogger(__name__)
+
+
+_SIXTEEN_BIT_FLAGS = ("fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16")
+
+
+@contextlib.contextmanager
+def _without_16_bit_flags(common_cfg: Any) -> Iterator[None]:
+    """Hide the 16-bit flags from fairseq's Trainer constructor, which would cast the whole
+    model to 16 bits; here parameters stay fp32 masters and FSDP casts gathered copies."""
+    saved = {flag: common_cfg[flag] for flag in _SIXTEEN_BIT_FLAGS}
+    for flag in _SIXTEEN_BIT_FLAGS:
+        common_cfg[flag] = False
+    try:
+        yield
+    finally:
+        for flag, value in saved.items():
+            common_cfg[flag] = value
 
 
 def ensure_process_group(use_cuda: bool) -> None:
@@ -46,20 +74,29 @@ class ShardedTrainer(Trainer):
         use_cuda = uses_cuda(cfg)
         ensure_process_group(use_cuda)
         self.sharding_plan = build_plan(model, self.sharding_options.keep_root_gathered)
+        self.compute_dtype = compute_dtype(cfg.common)
         mesh = fsdp2.data_parallel_mesh("cuda" if use_cuda else "cpu")
-        fsdp2.apply_plan(self.sharding_plan, mesh)
+        precision = mixed_precision_policy(
+            self.compute_dtype, self.sharding_options.reduce_in_16_bit
+        )
+        fsdp2.apply_plan(self.sharding_plan, mesh, precision)
+        if self.compute_dtype is not None:
+            cast_buffers(model, self.compute_dtype)
         logger.info(
-            "sharded %d units (%s) and the root over %d ranks with %s",
+            "sharded %d units (%s) and the root over %d ranks with %s; compute in %s, "
+            "fp32 master shards",
             len(self.sharding_plan.units),
             ", ".join(unit.name for unit in self.sharding_plan.units),
             dist.get_world_size(),
             self.sharding_options.shard_engine,
+            self.compute_dtype or torch.float32,
         )
         # Every rank reads the consolidated checkpoint itself and keeps its own slice;
         # fairseq's rank-0 broadcast would re-pickle the OmegaConf config, which
         # weights_only loading (rightly) refuses on the receiving ranks.
         cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
-        super().__init__(cfg, task, model, criterion, quantizer)
+        with _without_16_bit_flags(cfg.common):
+            super().__init__(cfg, task, model, criterion, quantizer)
         self._memory_probe = (
             None if self.sharding_options.no_memory_report else StepMemoryProbe(self.device)
         )
@@ -81,8 +118,39 @@ class ShardedTrainer(Trainer):
         # Gathering full tensors for the checkpoint is a collective over all ranks.
         return True
 
+    def _build_optimizer(self) -> None:
+        """fairseq's optimizer over the fp32 master shards, wrapped for scaling and clipping.
+
+        Replaces the Trainer's version, whose 16-bit paths build fairseq's FP16 optimizers
+        (flat fp32 copies of unsharded parameters) and whose FSDP path needs fairscale.
+        """
+        params = [
+            p for p in chain(self.model.parameters(), self.criterion.parameters())
+            if p.requires_grad
+        ]
+        fp32_optimizer = optim.build_optimizer(self.cfg.optimizer, params)
+        if not fp32_optimizer.supports_flat_params:
+            raise ShardingConfigError(
+                f"--optimizer {self.cfg.optimizer._name} is not element-wise, so its sharded "
+                "state would differ from unsharded training: use adam, adamw, sgd, adadelta "
+                "or adamax with --ddp-backend fully_sharded"
+            )
+        scaler = fp16_loss_scaler(self.cfg) if self.compute_dtype == torch.float16 else None
+        self._optimizer = ShardedMasterOptimizer(self.cfg, fp32_optimizer, scaler)
+        self._lr_scheduler = lr_scheduler.build_lr_scheduler(
+            self.cfg.lr_scheduler, self._optimizer
+        )
+        self._lr_scheduler.step_update(0)
+
     def clip_grad_norm(self, clip_norm: float) -> torch.Tensor:
-        return clip_grad_norm(self._trainable_params(), clip_norm, self.device)
+        stored_norm = global_grad_norm(self._trainable_params(), self.device)
+        return self.optimizer.apply_norm(stored_norm, clip_norm)
+
+    def set_num_updates(self, num_updates: int) -> None:
+        # An update skipped for fp16 overflow is not counted, as in fairseq's fp16 training.
+        if self._optimizer is not None and self._optimizer.take_skipped_step():
+            return
+        super().set_num_updates(num_updates)
 
     def state_dict(self) -> dict[str, Any]:
         """A standard fairseq checkpoint: full (gathered) model and optimizer tensors."""

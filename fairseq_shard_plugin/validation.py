@@ -20,14 +20,14 @@ def check_sharded_config(cfg: Any) -> None:
     """Raise :class:`ShardingConfigError` for a sharded run that cannot work."""
     common, dist_cfg = cfg.common, cfg.distributed_training
     sharding_options(cfg.task)  # rejects unknown engine names early
-    if common.fp16 or common.bf16 or common.memory_efficient_fp16 or common.memory_efficient_bf16:
-        raise ShardingConfigError(
-            "16-bit training is not supported by this plugin version with "
-            "--ddp-backend fully_sharded: remove --fp16/--bf16/--memory-efficient-*"
-        )
     if common.amp:
         raise ShardingConfigError(
-            "--amp is not supported with --ddp-backend fully_sharded: remove --amp"
+            "--amp is not supported with --ddp-backend fully_sharded: use --fp16 or --bf16"
+        )
+    if cfg.ema.store_ema:
+        raise ShardingConfigError(
+            "--store-ema keeps an unsharded model copy and is not supported with "
+            "--ddp-backend fully_sharded: remove --store-ema"
         )
     if dist_cfg.zero_sharding != "none":
         raise ShardingConfigError(

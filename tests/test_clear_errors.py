@@ -21,7 +21,8 @@ def fairseq_train(corpus: Path, save_dir: Path, *extra: str) -> subprocess.Compl
 @pytest.mark.parametrize(
     ("flags", "names"),
     [
-        (["--fp16"], "--fp16"),
+        (["--amp"], "--amp"),
+        (["--store-ema"], "--store-ema"),
         (["--zero-sharding", "os"], "--zero-sharding"),
         (["--use-sharded-state"], "--use-sharded-state"),
         (["--distributed-world-size", "2"], "torchrun --nproc_per_node 2"),
