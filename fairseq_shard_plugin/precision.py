@@ -10,12 +10,15 @@ dynamic loss scaler with its flags; bf16 needs no scaling.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from fairseq.optim import FairseqOptimizer
 from fairseq.optim.dynamic_loss_scaler import DynamicLossScaler
 from torch.distributed.fsdp import MixedPrecisionPolicy
+
+logger = logging.getLogger(__name__)
 
 
 def compute_dtype(common_cfg: Any) -> torch.dtype | None:
@@ -125,7 +128,13 @@ class ShardedMasterOptimizer(FairseqOptimizer):
         if not torch.isfinite(norm):
             if self.scaler is None:
                 return norm  # fp32/bf16: fairseq's trainer reports non-finite gradients
-            self.scaler.check_overflow(float("inf"))  # lowers the scale (fairseq semantics)
+            try:  # lowers the scale, or raises FloatingPointError at --min-loss-scale
+                self.scaler.check_overflow(float("inf"))
+            except OverflowError:
+                # fairseq's Trainer handles this exception with a .cuda() call; the step
+                # is skipped here instead, and set_num_updates does not count it.
+                logger.info("gradient overflow: skipping this update, loss scale is now %s",
+                            self.scaler.loss_scale)
             self.skipped_step = True
             return torch.zeros_like(norm)
         if max_norm > 0 and float(norm) > max_norm:

@@ -14,30 +14,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from fairseq import options, tasks
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from sharded_setup import build_trainer
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-import fairseq_shard_plugin  # noqa: F401
 from fairseq_shard_plugin.gradients import global_grad_norm
-from fairseq_shard_plugin.trainer import ShardedTrainer
 from fairseq_shard_plugin.wrap_policy import LAYER_CLASSES
 
 
 def main() -> None:
     out_dir, fairseq_args = Path(sys.argv[1]), sys.argv[2:]
-    dist.init_process_group("gloo")
+    trainer, task, full = build_trainer(fairseq_args)
+    model = trainer.model
     rank, world = dist.get_rank(), dist.get_world_size()
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, fairseq_args)
-    cfg = convert_namespace_to_omegaconf(args)
-    cfg.distributed_training.distributed_world_size = world
-    task = tasks.setup_task(cfg.task)
-    torch.manual_seed(0)
-    model = task.build_model(cfg.model)
-    full = {name: p.detach().clone() for name, p in model.named_parameters()}
-    trainer = ShardedTrainer(cfg, task, model, task.build_criterion(cfg.criterion))
 
     layers = {}
     for name, module in model.named_modules():
