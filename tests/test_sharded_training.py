@@ -126,3 +126,16 @@ def test_resume_continues_from_the_sharded_checkpoint(
     assert "Loaded checkpoint" in run.output
     updates = run.series("train_inner", "num_updates")
     assert updates[0] == UPDATES + 1 and updates[-1] == UPDATES + 5
+
+
+def test_chunked_criterion_on_the_sharded_tied_embedding_matches_stock(
+    corpus: Path, tmp_path: Path, stock_run: RunResult
+) -> None:
+    args = training_args(corpus, tmp_path, UPDATES) + TINY + [
+        "--criterion", "chunked_label_smoothed_cross_entropy", "--loss-chunk-tokens", "64",
+        "--no-save"]
+    run = run_training(args, nproc=2, plugin=True)
+    losses = run.series("train_inner", "loss")
+    assert relative_difference(losses, stock_run.series("train_inner", "loss")) <= 1e-4
+    assert relative_difference(run.series("train_inner", "gnorm"),
+                               stock_run.series("train_inner", "gnorm")) <= 1e-3
