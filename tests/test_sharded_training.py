@@ -139,3 +139,15 @@ def test_chunked_criterion_on_the_sharded_tied_embedding_matches_stock(
     assert relative_difference(losses, stock_run.series("train_inner", "loss")) <= 1e-4
     assert relative_difference(run.series("train_inner", "gnorm"),
                                stock_run.series("train_inner", "gnorm")) <= 1e-3
+
+
+def test_activation_checkpointing_inside_units_keeps_loss_and_lowers_peak(
+    corpus: Path, tmp_path: Path, sharded_run: tuple[RunResult, Path]
+) -> None:
+    plain, _ = sharded_run
+    args = training_args(corpus, tmp_path, UPDATES) + TINY + [
+        "--task", "sharded_translation", "--checkpoint-activations", "--no-save"]
+    checkpointed = run_training(args, nproc=2, plugin=True)
+    assert checkpointed.series("train_inner", "loss") == plain.series("train_inner", "loss")
+    plain_peak = plain.series("train", "train_peak_mem_gb")[-1]
+    assert checkpointed.series("train", "train_peak_mem_gb")[-1] < 0.8 * plain_peak
