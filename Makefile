@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test lint demo clean
+.PHONY: install test lint demo gpu-wheels clean
 
 $(STAMP): setup.py Makefile
 	python3 -m venv $(VENV)
@@ -23,6 +23,15 @@ test: lint
 
 demo: install
 	$(PY) -m benchmarks.demo
+
+# Packages the GPU machine lacks (Python 3.12 there), for benchmarks/gpu_check.sh.
+gpu-wheels: install
+	mkdir -p .whl
+	$(PY) -m pip download --quiet --no-deps --no-build-isolation --no-binary :all: -d .whl \
+		fairseq-fixed==0.12.3.1 fairscale==0.4.13 antlr4-python3-runtime==4.9.3
+	$(PY) -m pip download --quiet --no-deps --only-binary :all: --python-version 3.12 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		hydra-core==1.3.2 omegaconf==2.3.0 bitarray
 
 clean:
 	rm -rf $(VENV) demo_work *.egg-info

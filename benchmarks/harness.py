@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +19,15 @@ REPO = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = REPO / "fairseq_shard_plugin"
 STOCK_LAUNCH = REPO / "benchmarks" / "stock_launch.sh"
 BIN = Path(sys.executable).parent
+
+
+def tool(name: str) -> str:
+    """A console script next to this Python, else the first one on PATH."""
+    beside = BIN / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found beside {sys.executable} or on PATH")
+    return found
 # fairseq's "| INFO | train_inner | {...}", or Python's default "INFO:train_inner:{...}"
 LOG_LINE = re.compile(r"(?:\| |INFO:)(train_inner|train|valid)(?: \| |:)(\{.*\})\s*$")
 
@@ -42,11 +52,12 @@ def transformer_args(dim: int, ffn: int, layers: int, heads: int = 4) -> list[st
 
 
 def training_args(
-    data: Path, save_dir: Path, max_update: int, max_tokens: int = 512, seed: int = 1
+    data: Path, save_dir: Path, max_update: int, max_tokens: int = 512, seed: int = 1,
+    cpu: bool = True,
 ) -> list[str]:
     """fp32 Adam with label smoothing, one JSON log line per update."""
     return [
-        str(data), "--cpu", "--save-dir", str(save_dir),
+        str(data), *(["--cpu"] if cpu else []), "--save-dir", str(save_dir),
         "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "1e-3",
         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10",
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
@@ -83,8 +94,14 @@ def run_training(
     measure_dir: Path | None = None,
     timeout: float = 600,
     check: bool = True,
+    stock_backend: str = "legacy_ddp",
+    cuda: bool = False,
 ) -> RunResult:
-    """Train on ``nproc`` gloo ranks: the plugin with fully_sharded, or stock legacy_ddp.
+    """Train on ``nproc`` ranks: the plugin with fully_sharded, or stock fairseq.
+
+    On CPU, stock fairseq runs through ``stock_launch.sh`` (gloo); with ``cuda`` it is
+    launched like the plugin, with ``--ddp-backend stock_backend`` (e.g. ``fully_sharded``,
+    fairseq's own fairscale path).
 
     With ``measure_dir`` every rank runs under ``fairseq-shard-measure-train`` and its
     whole-process peak of live tensor bytes is returned in ``RunResult.memory``.
@@ -94,18 +111,20 @@ def run_training(
     measure = (
         ["--measure-out", str(measure_dir / "rank{rank}.json")] if measure_dir else []
     )
-    torchrun = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc),
+    torchrun = [tool("torchrun"), "--nproc_per_node", str(nproc),
                 "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    entry = [tool("fairseq-shard-measure-train"), *measure] if measure_dir else [
+        tool("fairseq-train")]
     if plugin:
-        entry = [str(BIN / "fairseq-shard-measure-train"), *measure] if measure_dir else [
-            str(BIN / "fairseq-train")]
         command = [*torchrun, *entry, *args, "--user-dir", str(PLUGIN_DIR),
                    "--ddp-backend", "fully_sharded"]
+    elif cuda:
+        command = [*torchrun, *entry, *args, "--ddp-backend", stock_backend]
     else:
         if measure_dir:
             env["FAIRSEQ_TRAIN"] = " ".join(["fairseq-shard-measure-train", *measure])
         command = [*torchrun, "--no-python", str(STOCK_LAUNCH), *args,
-                   "--ddp-backend", "legacy_ddp"]
+                   "--ddp-backend", stock_backend]
     completed = subprocess.run(command, env=env, capture_output=True, text=True,
                                timeout=timeout, cwd=REPO)
     output = completed.stdout + completed.stderr

@@ -2,8 +2,10 @@
 
 Measures any fairseq training, with or without the plugin, the same way: the peak of live
 CPU tensor bytes over the whole process (model construction, training, validation), and
-the peak resident set size. Each rank writes ``{"rank", "peak_bytes", "peak_rss_bytes"}``
-as JSON to the ``--measure-out`` path, where ``{rank}`` is replaced by torchrun's rank.
+the peak resident set size; on a GPU also CUDA's peak allocated and reserved bytes. Each
+rank writes ``{"rank", "peak_bytes", "peak_rss_bytes"[, "cuda_peak_allocated_bytes",
+"cuda_peak_reserved_bytes"]}`` as JSON to the ``--measure-out`` path, where ``{rank}`` is
+replaced by torchrun's rank.
 
     fairseq-shard-measure-train --measure-out mem-{rank}.json DATA --arch ... (fairseq args)
 """
@@ -14,6 +16,8 @@ import json
 import os
 import sys
 from pathlib import Path
+
+import torch
 
 from fairseq_shard_plugin.memory import LiveTensorMeter, peak_rss_bytes
 
@@ -36,6 +40,9 @@ def main() -> None:
     finally:
         out.parent.mkdir(parents=True, exist_ok=True)
         record = {"rank": rank, "peak_bytes": meter.peak_bytes, "peak_rss_bytes": peak_rss_bytes()}
+        if torch.cuda.is_available():
+            record["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            record["cuda_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
         out.write_text(json.dumps(record) + "\n")
 
 

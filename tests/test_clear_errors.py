@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import BIN, PLUGIN_DIR, training_args, transformer_args
+from benchmarks.harness import PLUGIN_DIR, tool, training_args, transformer_args
 
 TINY = transformer_args(dim=32, ffn=64, layers=1)
 
 
 def fairseq_train(corpus: Path, save_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    command = [str(BIN / "fairseq-train"), *training_args(corpus, save_dir, 2), *TINY,
+    command = [tool("fairseq-train"), *training_args(corpus, save_dir, 2), *TINY,
                "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded", *extra]
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 

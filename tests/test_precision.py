@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from benchmarks.harness import (
-    BIN,
     PLUGIN_DIR,
     REPO,
     RunResult,
     free_port,
     run_training,
+    tool,
     training_args,
     transformer_args,
 )
@@ -68,7 +68,7 @@ def test_fp16_logs_its_loss_scale(runs: dict[str, RunResult]) -> None:
 
 
 def torchrun(script: str, *args: str, env: dict[str, str] | None = None) -> None:
-    command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+    command = [tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
                str(HELPERS / script), *args]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=300,
                                env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))

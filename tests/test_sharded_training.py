@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from benchmarks.harness import (
-    BIN,
     PLUGIN_DIR,
     REPO,
     RunResult,
     free_port,
     run_training,
+    tool,
     training_args,
     transformer_args,
 )
@@ -43,7 +43,7 @@ def sharded_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
 
 
 def test_each_layer_is_a_unit_and_each_rank_holds_its_slice(corpus: Path, tmp_path: Path) -> None:
-    command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+    command = [tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
                str(REPO / "tests" / "helpers" / "inspect_sharding.py"), str(tmp_path), str(corpus),
                *TINY, "--task", "sharded_translation", "--optimizer", "adam", "--lr", "1e-3",
                "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
@@ -103,7 +103,7 @@ def test_checkpoint_is_a_standard_full_checkpoint(
     exp_avg = state["last_optimizer_state"]["state"][0]["exp_avg"]
     assert type(exp_avg) is torch.Tensor and exp_avg.shape[0] > 1
     generated = subprocess.run(
-        [str(BIN / "fairseq-generate"), str(corpus), "--path", str(save_dir / "checkpoint_last.pt"),
+        [tool("fairseq-generate"), str(corpus), "--path", str(save_dir / "checkpoint_last.pt"),
          "--user-dir", str(PLUGIN_DIR), "--cpu", "--beam", "2", "--max-tokens", "1000",
          "--max-len-b", "20"],
         capture_output=True, text=True, timeout=300,

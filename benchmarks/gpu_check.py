@@ -1,0 +1,69 @@
+"""GPU check on one CUDA device: the plugin's FSDP2 engine in fp16 against stock fairseq's
+own ``--ddp-backend fully_sharded`` (fairscale) path, same model, data and seed.
+
+Each run is measured by ``fairseq-shard-measure-train`` (CUDA peak allocated and reserved)
+and its loss read from the log. Sized to finish in about 5 minutes on one H200.
+
+    python -m benchmarks.gpu_check        # writes benchmarks/results/gpu_check.{md,json}
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from benchmarks.harness import REPO, run_training, training_args, transformer_args
+from fairseq_shard_plugin.synthetic_corpus import binarize, write_raw
+
+GIB = 1024**3
+MODEL = transformer_args(dim=1024, ffn=4096, layers=6, heads=16)
+RUNS = [
+    ("stock fairseq fully_sharded (fairscale), fp16", False, ["--fp16"]),
+    ("plugin fsdp2, fp16", True, ["--fp16"]),
+    ("plugin fsdp2, fp16, chunked loss, activation checkpointing", True,
+     ["--fp16", "--criterion", "chunked_label_smoothed_cross_entropy",
+      "--checkpoint-activations"]),
+]
+
+
+def main() -> None:
+    work = REPO / "demo_work" / "gpu_check"
+    shutil.rmtree(work, ignore_errors=True)
+    write_raw(work / "raw", vocab=16000, sizes={"train": 20000, "valid": 200, "test": 200},
+              max_len=60, seed=1)
+    binarize(work / "raw", work / "bin")
+    rows = []
+    for name, plugin, flags in RUNS:
+        tag = f"run{len(rows)}"
+        args = training_args(work / "bin", work / tag, max_update=50, max_tokens=4096,
+                             cpu=False) + MODEL + flags + ["--no-save", "--disable-validation"]
+        run = run_training(args, nproc=1, plugin=plugin, measure_dir=work / tag / "memory",
+                           stock_backend="fully_sharded", cuda=True, timeout=900, check=False)
+        memory = run.memory[0] if run.memory else {}
+        rows.append({
+            "run": name,
+            "returncode": run.returncode,
+            "cuda_peak_allocated_gib": round(memory.get("cuda_peak_allocated_bytes", 0) / GIB, 3),
+            "cuda_peak_reserved_gib": round(memory.get("cuda_peak_reserved_bytes", 0) / GIB, 3),
+            "final_loss": run.series("train_inner", "loss")[-1:] or None,
+            "words_per_second": run.series("train", "train_wps")[-1:] or None,
+        })
+        if run.returncode != 0:
+            (work / f"{tag}.log").write_text(run.output)
+            rows[-1]["error_tail"] = run.output[-2000:]
+    results = REPO / "benchmarks" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "gpu_check.json").write_text(json.dumps(rows, indent=2) + "\n")
+    table = ("| run | CUDA peak allocated (GiB) | CUDA peak reserved (GiB) | final loss | words/s |"
+             "\n|---|---|---|---|---|\n")
+    table += "".join(
+        f"| {r['run']} | {r['cuda_peak_allocated_gib']} | {r['cuda_peak_reserved_gib']}"
+        f" | {r['final_loss']} | {r['words_per_second']} |\n" for r in rows)
+    table += "\nProduced by `bash benchmarks/gpu_check.sh` on one GPU (d 1024, ffn 4096, 6+6 "
+    table += "layers, vocabulary ~32K, 4096 tokens per batch, 50 updates).\n"
+    (results / "gpu_check.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
