@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.dataclass.utils import gen_parser_from_dataclass
 
 SHARD_ENGINES = ChoiceEnum(["fsdp2"])
 
@@ -53,3 +54,8 @@ def sharding_options(task_cfg: Any) -> "ShardingConfig":
         if value is not None:
             values[option.name] = value
     return ShardingConfig(**values)
+
+
+def add_sharding_args(parser: Any) -> None:
+    """Add the sharding options to an argparse-configured task's parser."""
+    gen_parser_from_dataclass(parser, ShardingConfig())

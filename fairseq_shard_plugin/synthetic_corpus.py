@@ -2,12 +2,19 @@
 
 The "translation" is learnable but not trivial: each source word maps to a target word
 through a fixed random permutation and the sentence is reversed. No downloads.
+
+With ``--languages`` it writes a multilingual corpus the way the NLLB recipe expects it:
+NLLB-style language codes, one binarised pair per direction
+(``train.eng_Latn-fra_Latn.eng_Latn.bin`` ...), one shared dictionary copied to
+``dict.{lang}.txt`` for every language, and a ``langs.txt`` for ``--lang-dict``. Each
+language renders the same underlying sentence with its own word permutation and order.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,14 +44,69 @@ def write_raw(out_dir: Path, vocab: int, sizes: dict[str, int], max_len: int, se
 def binarize(raw_dir: Path, bin_dir: Path, workers: int = 1) -> None:
     """Binarise with one joined dictionary, so ``--share-all-embeddings`` works."""
     prefixes = {f"--{split}pref": str(raw_dir / split) for split in ("train", "valid", "test")}
-    command = [sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "src",
-               "--target-lang", "tgt", "--joined-dictionary", "--destdir", str(bin_dir),
-               "--workers", str(workers)]
+    arguments = ["--source-lang", "src", "--target-lang", "tgt", "--joined-dictionary",
+                 "--destdir", str(bin_dir), "--workers", str(workers)]
     for flag, prefix in prefixes.items():
-        command += [flag, prefix]
+        arguments += [flag, prefix]
+    _preprocess(arguments)
+
+
+def _render(words: list[int], language: str, vocab: int) -> str:
+    rng = random.Random(language)
+    permutation = list(range(vocab))
+    rng.shuffle(permutation)
+    ordered = words if rng.random() < 0.5 else list(reversed(words))
+    return " ".join(f"{language[:3]}{permutation[w]}" for w in ordered)
+
+
+def write_multilingual(
+    out_dir: Path, languages: list[str], vocab: int, sizes: dict[str, int], max_len: int,
+    seed: int,
+) -> list[tuple[str, str]]:
+    """Write ``{split}.{src}-{tgt}.{lang}`` text for every direction out of the first
+    language and back into it; return the directions."""
+    pivot, others = languages[0], languages[1:]
+    directions = [(pivot, other) for other in others] + [(other, pivot) for other in others]
+    rng = random.Random(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for split in SPLITS:
+        for src, tgt in directions:
+            sentences = [[rng.randrange(vocab) for _ in range(rng.randint(3, max_len))]
+                         for _ in range(sizes[split])]
+            for lang in (src, tgt):
+                text = "".join(_render(words, lang, vocab) + "\n" for words in sentences)
+                (out_dir / f"{split}.{src}-{tgt}.{lang}").write_text(text)
+    return directions
+
+
+def _preprocess(arguments: list[str]) -> None:
+    command = [sys.executable, "-m", "fairseq_cli.preprocess", *arguments]
     completed = subprocess.run(command, capture_output=True, text=True)
     if completed.returncode != 0:
         raise RuntimeError(f"fairseq-preprocess failed:\n{completed.stderr[-3000:]}")
+
+
+def binarize_multilingual(
+    raw_dir: Path, bin_dir: Path, languages: list[str], directions: list[tuple[str, str]]
+) -> None:
+    """One dictionary over all languages, then every direction binarised with it."""
+    everything = raw_dir / "all"
+    for side in ("src", "tgt"):
+        with open(f"{everything}.{side}", "w") as combined:
+            for src, tgt in directions:
+                combined.write((raw_dir / f"train.{src}-{tgt}.{src if side == 'src' else tgt}")
+                               .read_text())
+    _preprocess(["--source-lang", "src", "--target-lang", "tgt", "--joined-dictionary",
+                 "--dict-only", "--trainpref", str(everything), "--destdir", str(raw_dir / "d")])
+    dictionary = raw_dir / "d" / "dict.src.txt"
+    for src, tgt in directions:
+        prefix = {f"--{split}pref": str(raw_dir / f"{split}.{src}-{tgt}") for split in SPLITS}
+        _preprocess(["--source-lang", src, "--target-lang", tgt, "--srcdict", str(dictionary),
+                     "--tgtdict", str(dictionary), "--destdir", str(bin_dir),
+                     *[item for pair in prefix.items() for item in pair]])
+    for lang in languages:
+        shutil.copy(dictionary, bin_dir / f"dict.{lang}.txt")
+    (bin_dir / "langs.txt").write_text("".join(lang + "\n" for lang in languages))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,10 +117,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--valid", type=int, default=200, help="validation and test pairs")
     parser.add_argument("--max-len", type=int, default=12, help="longest sentence in words")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--languages", help="comma-separated NLLB codes, e.g. "
+                        "eng_Latn,fra_Latn,deu_Latn: a multilingual corpus (first = pivot)")
     args = parser.parse_args(argv)
     if (args.out_dir / "bin").exists():
         parser.error(f"{args.out_dir / 'bin'} exists: choose another OUT_DIR or remove it")
     sizes = {"train": args.train, "valid": args.valid, "test": args.valid}
+    if args.languages:
+        languages = args.languages.split(",")
+        if len(languages) < 2:
+            parser.error("--languages needs at least two codes")
+        directions = write_multilingual(args.out_dir / "raw", languages, args.vocab, sizes,
+                                        args.max_len, args.seed)
+        binarize_multilingual(args.out_dir / "raw", args.out_dir / "bin", languages, directions)
+        print(args.out_dir / "bin")
+        return
     write_raw(args.out_dir / "raw", args.vocab, sizes, args.max_len, args.seed)
     binarize(args.out_dir / "raw", args.out_dir / "bin")
     print(args.out_dir / "bin")

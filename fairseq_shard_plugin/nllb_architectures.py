@@ -1,0 +1,48 @@
+"""NLLB-200 dense architectures for fairseq's ``transformer`` model.
+
+Pre-norm encoder-decoder transformers with all embeddings shared and 16 attention heads:
+
+| name | layers enc+dec | d_model | ffn | parameters at vocabulary 256,206 |
+|---|---|---|---|---|
+| nllb_dense_600m | 12+12 | 1024 | 4096 | 615.1M |
+| nllb_dense_1_3b | 24+24 | 1024 | 8192 | 1.37B |
+| nllb_dense_3_3b | 24+24 | 2048 | 8192 | 3.34B |
+
+Every value can still be overridden from the command line, as with any fairseq architecture.
+"""
+
+from argparse import Namespace
+
+from fairseq.models import register_model_architecture
+from fairseq.models.transformer import base_architecture
+
+
+def _nllb_dense(args: Namespace, layers: int, dim: int, ffn: int) -> None:
+    defaults = {
+        "encoder_layers": layers, "decoder_layers": layers,
+        "encoder_embed_dim": dim, "decoder_embed_dim": dim,
+        "encoder_ffn_embed_dim": ffn, "decoder_ffn_embed_dim": ffn,
+        "encoder_attention_heads": 16, "decoder_attention_heads": 16,
+        "encoder_normalize_before": True, "decoder_normalize_before": True,
+        "share_all_embeddings": True, "dropout": 0.1,
+        "attention_dropout": 0.1, "activation_dropout": 0.0,
+    }
+    for name, value in defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    base_architecture(args)
+
+
+@register_model_architecture("transformer", "nllb_dense_600m")
+def nllb_dense_600m(args: Namespace) -> None:
+    _nllb_dense(args, layers=12, dim=1024, ffn=4096)
+
+
+@register_model_architecture("transformer", "nllb_dense_1_3b")
+def nllb_dense_1_3b(args: Namespace) -> None:
+    _nllb_dense(args, layers=24, dim=1024, ffn=8192)
+
+
+@register_model_architecture("transformer", "nllb_dense_3_3b")
+def nllb_dense_3_3b(args: Namespace) -> None:
+    _nllb_dense(args, layers=24, dim=2048, ffn=8192)
