@@ -28,8 +28,11 @@ def tool(name: str) -> str:
     if found is None:
         raise FileNotFoundError(f"{name} not found beside {sys.executable} or on PATH")
     return found
-# fairseq's "| INFO | train_inner | {...}", or Python's default "INFO:train_inner:{...}"
-LOG_LINE = re.compile(r"(?:\| |INFO:)(train_inner|train|valid)(?: \| |:)(\{.*\})\s*$")
+# fairseq's "| INFO | train_inner | {...}", Python's default "INFO:train_inner:{...}", or
+# Hydra's "[time][train_inner][INFO] - {...}"
+LOG_LINE = re.compile(
+    r"(?:\| |INFO:|\]\[)(train_inner|train|valid)(?: \| |:|\]\[INFO\] - )(\{.*\})\s*$"
+)
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from itertools import chain
 from typing import Any
@@ -23,7 +24,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from fairseq_shard_plugin.engines import fsdp2
 from fairseq_shard_plugin.full_state import gather_full_state, shard_optimizer_state_like_params
 from fairseq_shard_plugin.gradients import global_grad_norm
-from fairseq_shard_plugin.launch_env import uses_cuda
+from fairseq_shard_plugin.launch_env import launched_by_torchrun, uses_cuda
 from fairseq_shard_plugin.memory import StepMemoryProbe, storage_bytes
 from fairseq_shard_plugin.memory_metrics import log_step_memory
 from fairseq_shard_plugin.options import sharding_options
@@ -57,12 +58,26 @@ def _without_16_bit_flags(common_cfg: Any) -> Iterator[None]:
             common_cfg[flag] = value
 
 
-def ensure_process_group(use_cuda: bool) -> None:
-    """A single-process run still needs a process group for FSDP: make a 1-rank one."""
-    if not dist.is_initialized():
-        dist.init_process_group(
-            "nccl" if use_cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1
-        )
+def ensure_process_group(cfg: Any, use_cuda: bool) -> None:
+    """FSDP needs a process group even where fairseq did not make one.
+
+    ``fairseq-hydra-train`` imports the user dir only after it has chosen how to launch, so
+    under torchrun it runs every rank as a lone process: such a rank joins the others here,
+    from torchrun's environment. A single process without torchrun gets a 1-rank group.
+    """
+    if dist.is_initialized():
+        return
+    backend = "nccl" if use_cuda else "gloo"
+    if not launched_by_torchrun():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, init_method="env://")
+    cfg.distributed_training.distributed_world_size = dist.get_world_size()
+    cfg.distributed_training.distributed_rank = dist.get_rank()
+    if dist.get_rank() != 0:
+        logging.getLogger().setLevel(logging.WARNING)  # as fairseq's own distributed init does
 
 
 class ShardedTrainer(Trainer):
@@ -72,7 +87,7 @@ class ShardedTrainer(Trainer):
         check_sharded_config(cfg)
         self.sharding_options = sharding_options(cfg.task)
         use_cuda = uses_cuda(cfg)
-        ensure_process_group(use_cuda)
+        ensure_process_group(cfg, use_cuda)
         self.sharding_plan = build_plan(model, self.sharding_options.keep_root_gathered)
         self.compute_dtype = compute_dtype(cfg.common)
         mesh = fsdp2.data_parallel_mesh("cuda" if use_cuda else "cpu")
