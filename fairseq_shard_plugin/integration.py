@@ -14,8 +14,9 @@ Hooks, all in ``fairseq_cli.train`` (and ``fairseq.distributed.utils`` for the l
    ``fully_sharded`` it becomes :class:`~fairseq_shard_plugin.trainer.ShardedTrainer`.
 3. ``distributed_utils.call_main``: fairseq derives world size and device from CUDA, which
    breaks torchrun on CPU (see ``launch_env``); the wrapper also drops the ``--tpu`` that
-   fairseq's parser implies from ``--bf16``, and rejects unworkable sharded configurations
-   with a one-line error before any process group or data is touched.
+   fairseq's parser implies from ``--bf16``, rejects unworkable sharded configurations
+   with a one-line error before any process group or data is touched, and turns a
+   checkpoint that cannot be loaded into a one-line error naming the file and the mismatch.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import fairseq
 import fairseq.distributed.utils as distributed_utils
 import fairseq_cli.train as train_cli
 
+from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError
 from fairseq_shard_plugin.launch_env import apply_torchrun_environment
 from fairseq_shard_plugin.precision import untie_bf16_from_tpu
 from fairseq_shard_plugin.validation import (
@@ -66,13 +68,14 @@ def _select_trainer(stock_trainer: type) -> Callable[..., Any]:
 def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[..., Any]:
     def call_main(cfg: Any, main: Callable[..., Any], **kwargs: Any) -> Any:
         apply_torchrun_environment(cfg)
-        if is_sharded_run(cfg):
-            untie_bf16_from_tpu(cfg)
-            try:
-                check_sharded_config(cfg)
-            except ShardingConfigError as error:
-                sys.exit(f"fairseq-shard-plugin: error: {error}")
-        return stock_call_main(cfg, main, **kwargs)
+        if not is_sharded_run(cfg):
+            return stock_call_main(cfg, main, **kwargs)
+        untie_bf16_from_tpu(cfg)
+        try:
+            check_sharded_config(cfg)
+            return stock_call_main(cfg, main, **kwargs)
+        except (ShardingConfigError, CheckpointLoadError) as error:
+            sys.exit(f"fairseq-shard-plugin: error: {error}")
 
     call_main.__wrapped__ = stock_call_main  # type: ignore[attr-defined]
     return call_main

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -45,3 +46,25 @@ def apply_torchrun_environment(
             logger.info("CPU ranks: using the gloo backend instead of %s",
                         dist_cfg.distributed_backend)
             dist_cfg.distributed_backend = "gloo"
+
+
+def ensure_process_group(cfg: Any, use_cuda: bool) -> None:
+    """FSDP needs a process group even where fairseq did not make one.
+
+    ``fairseq-hydra-train`` imports the user dir only after it has chosen how to launch, so
+    under torchrun it runs every rank as a lone process: such a rank joins the others here,
+    from torchrun's environment. A single process without torchrun gets a 1-rank group.
+    """
+    if dist.is_initialized():
+        return
+    backend = "nccl" if use_cuda else "gloo"
+    if not launched_by_torchrun():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, init_method="env://")
+    cfg.distributed_training.distributed_world_size = dist.get_world_size()
+    cfg.distributed_training.distributed_rank = dist.get_rank()
+    if dist.get_rank() != 0:
+        logging.getLogger().setLevel(logging.WARNING)  # as fairseq's own distributed init does

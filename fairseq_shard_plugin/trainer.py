@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from itertools import chain
 from typing import Any
@@ -21,10 +20,11 @@ from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 from torch.distributed.tensor.experimental import implicit_replication
 
+from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError, describe_checkpoint_problem
 from fairseq_shard_plugin.engines import fsdp2
 from fairseq_shard_plugin.full_state import gather_full_state, shard_optimizer_state_like_params
 from fairseq_shard_plugin.gradients import global_grad_norm
-from fairseq_shard_plugin.launch_env import launched_by_torchrun, uses_cuda
+from fairseq_shard_plugin.launch_env import ensure_process_group, uses_cuda
 from fairseq_shard_plugin.memory import StepMemoryProbe, storage_bytes
 from fairseq_shard_plugin.memory_metrics import log_step_memory
 from fairseq_shard_plugin.options import sharding_options
@@ -56,28 +56,6 @@ def _without_16_bit_flags(common_cfg: Any) -> Iterator[None]:
     finally:
         for flag, value in saved.items():
             common_cfg[flag] = value
-
-
-def ensure_process_group(cfg: Any, use_cuda: bool) -> None:
-    """FSDP needs a process group even where fairseq did not make one.
-
-    ``fairseq-hydra-train`` imports the user dir only after it has chosen how to launch, so
-    under torchrun it runs every rank as a lone process: such a rank joins the others here,
-    from torchrun's environment. A single process without torchrun gets a 1-rank group.
-    """
-    if dist.is_initialized():
-        return
-    backend = "nccl" if use_cuda else "gloo"
-    if not launched_by_torchrun():
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        return
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, init_method="env://")
-    cfg.distributed_training.distributed_world_size = dist.get_world_size()
-    cfg.distributed_training.distributed_rank = dist.get_rank()
-    if dist.get_rank() != 0:
-        logging.getLogger().setLevel(logging.WARNING)  # as fairseq's own distributed init does
 
 
 class ShardedTrainer(Trainer):
@@ -171,10 +149,20 @@ class ShardedTrainer(Trainer):
         """A standard fairseq checkpoint: full (gathered) model and optimizer tensors."""
         return gather_full_state(super().state_dict())
 
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
-        """Load a full checkpoint into the sharded model: each rank keeps its own slice."""
-        with implicit_replication():
-            extra_state = super().load_checkpoint(*args, **kwargs)
+    def load_checkpoint(self, filename: str, *args: Any, **kwargs: Any) -> Any:
+        """Load a full checkpoint into the sharded model: each rank keeps its own slice.
+
+        Anything that stops the load (a truncated file, another architecture or vocabulary)
+        becomes one :class:`CheckpointLoadError` naming the file and the mismatch.
+        """
+        try:
+            with implicit_replication():
+                extra_state = super().load_checkpoint(filename, *args, **kwargs)
+        except Exception as error:
+            shapes = {name: p.shape for name, p in self._model.named_parameters()}
+            raise CheckpointLoadError(
+                describe_checkpoint_problem(filename, shapes, error)
+            ) from error
         shard_optimizer_state_like_params(self.optimizer.optimizer)
         return extra_state
 

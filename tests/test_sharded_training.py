@@ -151,3 +151,52 @@ def test_activation_checkpointing_inside_units_keeps_loss_and_lowers_peak(
     assert checkpointed.series("train_inner", "loss") == plain.series("train_inner", "loss")
     plain_peak = plain.series("train", "train_peak_mem_gb")[-1]
     assert checkpointed.series("train", "train_peak_mem_gb")[-1] < 0.8 * plain_peak
+
+
+def error_line(run: RunResult) -> str:
+    lines = [line for line in run.output.splitlines()
+             if line.startswith("fairseq-shard-plugin: error: ")]
+    assert run.returncode != 0 and lines, run.output[-3000:]
+    return lines[0]
+
+
+def resume_from(checkpoint_bytes: bytes, save_dir: Path, args: list[str]) -> RunResult:
+    save_dir.mkdir(parents=True, exist_ok=True)
+    (save_dir / "checkpoint_last.pt").write_bytes(checkpoint_bytes)
+    return run_training(args, nproc=2, plugin=True, check=False)
+
+
+def test_truncated_checkpoint_fails_with_one_clear_line_and_is_kept(
+    corpus: Path, sharded_run: tuple[RunResult, Path], tmp_path: Path
+) -> None:
+    whole = (sharded_run[1] / "checkpoint_last.pt").read_bytes()
+    truncated = whole[: len(whole) // 2]
+    run = resume_from(truncated, tmp_path, training_args(corpus, tmp_path, UPDATES + 5) + TINY)
+    line = error_line(run)
+    assert "checkpoint_last.pt: unreadable checkpoint" in line and "truncated" in line
+    assert (tmp_path / "checkpoint_last.pt").read_bytes() == truncated  # nothing overwritten
+
+
+def test_checkpoint_of_another_architecture_names_the_mismatch(
+    corpus: Path, sharded_run: tuple[RunResult, Path], tmp_path: Path
+) -> None:
+    other = transformer_args(dim=64, ffn=256, layers=2)
+    run = resume_from((sharded_run[1] / "checkpoint_last.pt").read_bytes(), tmp_path,
+                      training_args(corpus, tmp_path, UPDATES + 5) + other)
+    line = error_line(run)
+    assert "does not match the model" in line and "fc1.weight" in line
+    assert "[128, 64] in the checkpoint and [256, 64] in the model" in line
+
+
+def test_checkpoint_with_another_vocabulary_names_the_mismatch(
+    sharded_run: tuple[RunResult, Path], tmp_path: Path
+) -> None:
+    from fairseq_shard_plugin.synthetic_corpus import binarize, write_raw
+
+    write_raw(tmp_path / "raw", vocab=100, sizes={"train": 200, "valid": 20, "test": 20},
+              max_len=8, seed=3)
+    binarize(tmp_path / "raw", tmp_path / "bin")
+    run = resume_from((sharded_run[1] / "checkpoint_last.pt").read_bytes(), tmp_path / "save",
+                      training_args(tmp_path / "bin", tmp_path / "save", UPDATES + 5) + TINY)
+    line = error_line(run)
+    assert "embed_tokens.weight" in line and "different vocabulary" in line

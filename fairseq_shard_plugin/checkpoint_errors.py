@@ -1,0 +1,43 @@
+"""Explain, in one line, why a checkpoint could not be loaded into the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message names the file and the mismatch."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def describe_checkpoint_problem(
+    filename: str, model_shapes: dict[str, torch.Size], error: BaseException
+) -> str:
+    """Diagnose a failed load: unreadable file, then shape or key mismatches, else ``error``."""
+    try:
+        state = torch.load(filename, map_location="cpu", weights_only=True, mmap=True)
+        saved = state["model"]
+    except Exception as read_error:  # any failure to read means the file is unreadable
+        size = Path(filename).stat().st_size if Path(filename).exists() else 0
+        return (f"{filename}: unreadable checkpoint ({size} bytes; truncated or corrupted?): "
+                f"{_first_line(read_error)}; resume from another file with --restore-file")
+    for name, shape in model_shapes.items():
+        if name in saved and tuple(saved[name].shape) != tuple(shape):
+            hint = " (a different vocabulary/dictionary?)" if "embed_tokens" in name else (
+                " (a different architecture?)")
+            return (f"{filename}: does not match the model: {name} has shape "
+                    f"{list(saved[name].shape)} in the checkpoint and {list(shape)} in the "
+                    f"model{hint}")
+    missing = sorted(set(model_shapes) - set(saved))
+    unexpected = sorted(set(saved) - set(model_shapes))
+    if missing or unexpected:
+        return (f"{filename}: does not match the model: {len(missing)} missing parameters "
+                f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]}); "
+                "check --arch and the layer counts")
+    return f"{filename}: could not be loaded: {_first_line(error.__cause__ or error)}"
