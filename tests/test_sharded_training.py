@@ -160,10 +160,12 @@ def error_line(run: RunResult) -> str:
     return lines[0]
 
 
-def resume_from(checkpoint_bytes: bytes, save_dir: Path, args: list[str]) -> RunResult:
+def resume_from(
+    checkpoint_bytes: bytes, save_dir: Path, args: list[str], nproc: int = 2
+) -> RunResult:
     save_dir.mkdir(parents=True, exist_ok=True)
     (save_dir / "checkpoint_last.pt").write_bytes(checkpoint_bytes)
-    return run_training(args, nproc=2, plugin=True, check=False)
+    return run_training(args, nproc=nproc, plugin=True, check=False)
 
 
 def test_truncated_checkpoint_fails_with_one_clear_line_and_is_kept(
@@ -200,3 +202,31 @@ def test_checkpoint_with_another_vocabulary_names_the_mismatch(
                       training_args(tmp_path / "bin", tmp_path / "save", UPDATES + 5) + TINY)
     line = error_line(run)
     assert "embed_tokens.weight" in line and "different vocabulary" in line
+
+
+@pytest.mark.parametrize("nproc", [1, 4])
+def test_checkpoint_from_two_ranks_loads_exactly_on_another_world_size(
+    corpus: Path, sharded_run: tuple[RunResult, Path], tmp_path: Path, nproc: int
+) -> None:
+    report_path = tmp_path / "reload.json"
+    command = [tool("torchrun"), "--nproc_per_node", str(nproc), "--master_port",
+               str(free_port()), str(REPO / "tests" / "helpers" / "reload_masters.py"),
+               str(sharded_run[1] / "checkpoint_last.pt"), str(report_path), str(corpus), *TINY,
+               "--cpu", "--task", "sharded_translation", "--optimizer", "adam", "--lr", "1e-3",
+               "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+               "--ddp-backend", "fully_sharded"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    report = json.loads(report_path.read_text())
+    assert report["masters_equal"] and report["optimizer_equal"]
+
+
+def test_training_resumed_on_four_ranks_continues(
+    corpus: Path, sharded_run: tuple[RunResult, Path], tmp_path: Path
+) -> None:
+    run = resume_from((sharded_run[1] / "checkpoint_last.pt").read_bytes(), tmp_path,
+                      training_args(corpus, tmp_path, UPDATES + 10) + TINY, nproc=4)
+    assert run.returncode == 0, run.output[-3000:]
+    losses = run.series("train_inner", "loss")
+    assert run.series("train_inner", "num_updates")[0] == UPDATES + 1
+    assert sum(losses[-3:]) / 3 < sharded_run[0].series("train_inner", "loss")[0]
