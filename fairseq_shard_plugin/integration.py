@@ -4,7 +4,7 @@ Loading the user dir calls :func:`install`. Each hook below says why fairseq's p
 extension points (registries, dataclass configs) cannot do the job. Runs that do not use
 ``--ddp-backend fully_sharded`` take fairseq's own code paths unchanged.
 
-Hooks, all in ``fairseq_cli.train`` (and ``fairseq.distributed.utils`` for the launcher):
+Hooks, in ``fairseq_cli.train`` unless named otherwise:
 
 1. ``fsdp_enable_wrap`` / ``fsdp_wrap``: fairseq wraps the model (and, inside this context,
    each layer above ``--min-params-to-wrap``) in fairscale FSDP while building it, with no
@@ -12,7 +12,10 @@ Hooks, all in ``fairseq_cli.train`` (and ``fairseq.distributed.utils`` for the l
    shards it by its own wrap policy when the trainer is built.
 2. ``Trainer``: ``train.py`` constructs ``fairseq.trainer.Trainer`` by name; under
    ``fully_sharded`` it becomes :class:`~fairseq_shard_plugin.trainer.ShardedTrainer`.
-3. ``distributed_utils.call_main``: fairseq derives world size and device from CUDA, which
+3. ``fairseq.logging.meters.MaxMeter``: fairseq restores logged meters from checkpoints by
+   looking their class names up in that module, so the plugin's per-step peak-memory meter
+   is made findable there; otherwise resuming would fail on its name.
+4. ``distributed_utils.call_main``: fairseq derives world size and device from CUDA, which
    breaks torchrun on CPU (see ``launch_env``); the wrapper also drops the ``--tpu`` that
    fairseq's parser implies from ``--bf16``, rejects unworkable sharded configurations
    with a one-line error before any process group or data is touched, and turns a
@@ -28,10 +31,12 @@ from typing import Any
 
 import fairseq
 import fairseq.distributed.utils as distributed_utils
+import fairseq.logging.meters as fairseq_meters
 import fairseq_cli.train as train_cli
 
 from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError
 from fairseq_shard_plugin.launch_env import apply_torchrun_environment
+from fairseq_shard_plugin.memory_metrics import MaxMeter
 from fairseq_shard_plugin.precision import untie_bf16_from_tpu
 from fairseq_shard_plugin.validation import (
     ShardingConfigError,
@@ -108,5 +113,6 @@ def install() -> None:
         module.fsdp_wrap = _leave_unwrapped
         module.Trainer = _select_trainer(module.Trainer)
         setattr(module, _INSTALLED_MARK, True)
+    fairseq_meters.MaxMeter = MaxMeter
     if not hasattr(distributed_utils.call_main, "__wrapped__"):
         distributed_utils.call_main = _with_launcher_environment(distributed_utils.call_main)

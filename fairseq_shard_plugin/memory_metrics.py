@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from fairseq.logging import metrics
+from fairseq.logging.meters import Meter, safe_round
 
 from fairseq_shard_plugin.memory import GIB, StepMemory
 
@@ -13,17 +14,32 @@ RESERVED_KEY = "peak_reserved_gb"  # CUDA only: the caching allocator's peak
 STATE_KEY = "state_mem_gb"  # parameters + gradients + optimizer state held by a rank
 
 
-def _log_max(key: str, value_gb: float, priority: int) -> None:
-    """Log ``key`` as the maximum over the aggregation window (a log interval, an epoch).
+class MaxMeter(Meter):
+    """The largest value logged in the aggregation window (a log interval, an epoch)."""
 
-    The values go into a hidden concatenating meter (fairseq can checkpoint it) and a
-    derived meter reports their maximum.
-    """
-    hidden = "_" + key
-    metrics.log_concat_tensor(hidden, torch.tensor([value_gb]), priority=priority)
-    metrics.log_derived(
-        key, lambda meters: round(float(meters[hidden].tensor.max()), 4), priority=priority
-    )
+    def __init__(self, round: int | None = 4) -> None:
+        self.round = round
+        self.max: float | None = None
+
+    def reset(self) -> None:
+        self.max = None
+
+    def update(self, value: float) -> None:
+        self.max = value if self.max is None else max(self.max, value)
+
+    def state_dict(self) -> dict:
+        return {"max": self.max, "round": self.round}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.max, self.round = state_dict["max"], state_dict.get("round")
+
+    @property
+    def smoothed_value(self) -> float | None:
+        return safe_round(self.max, self.round) if self.max is not None else None
+
+
+def _log_max(key: str, value_gb: float, priority: int) -> None:
+    metrics.log_custom(MaxMeter, key, value_gb, priority=priority)
 
 
 def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
