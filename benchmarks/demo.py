@@ -11,24 +11,26 @@ the whole-process peak of live tensor bytes on each rank. Writes the table to
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 
-from benchmarks.harness import REPO, RunResult, run_training, training_args, transformer_args
-from fairseq_shard_plugin.synthetic_corpus import binarize, write_raw
+from benchmarks.harness import (
+    REPO,
+    RunResult,
+    run_training,
+    training_args,
+    transformer_args,
+    write_results,
+)
+from fairseq_shard_plugin.synthetic_corpus import make_corpus
 
-RESULTS = REPO / "benchmarks" / "results"
 MIB = 1024**2
 
 
 def prepare_corpus(work: Path) -> Path:
-    if not (work / "corpus" / "bin" / "dict.src.txt").exists():
-        shutil.rmtree(work / "corpus", ignore_errors=True)
-        write_raw(work / "corpus" / "raw", vocab=300,
-                  sizes={"train": 8000, "valid": 300, "test": 300}, max_len=12, seed=1)
-        binarize(work / "corpus" / "raw", work / "corpus" / "bin")
-    return work / "corpus" / "bin"
+    if (work / "corpus" / "bin" / "dict.src.txt").exists():
+        return work / "corpus" / "bin"
+    return make_corpus(work / "corpus", vocab=300, train=8000, valid=300)
 
 
 def summarize(name: str, run: RunResult) -> dict[str, object]:
@@ -42,19 +44,6 @@ def summarize(name: str, run: RunResult) -> dict[str, object]:
         "words_per_second": float(train["train_wps"]),
         "updates": int(float(train["train_num_updates"])),
     }
-
-
-def markdown(rows: list[dict[str, object]], command: str) -> str:
-    header = ("| run | peak tensor memory / rank (MiB) | peak RSS / rank (MiB) | train loss "
-              "| valid loss | words/s |\n|---|---|---|---|---|---|\n")
-    body = "".join(
-        f"| {r['run']} | {r['peak_mib_per_rank']} | {r['peak_rss_mib_per_rank']} "
-        f"| {r['train_loss']} | {r['valid_loss']} | {r['words_per_second']} |\n"
-        for r in rows
-    )
-    ratio = rows[0]["peak_mib_per_rank"] / rows[1]["peak_mib_per_rank"]  # type: ignore[operator]
-    return (f"{header}{body}\nSharded peak tensor memory per rank: {ratio:.0%} of stock.\n"
-            f"Produced by `{command}` (2 gloo ranks on this CPU machine).\n")
 
 
 def main() -> None:
@@ -79,10 +68,13 @@ def main() -> None:
         run = run_training(train + model + extra, nproc=2, plugin=plugin,
                            measure_dir=args.work / tag / "memory", timeout=3600)
         rows.append(summarize(name, run))
-    table = markdown(rows, "make demo")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "demo.md").write_text(table)
-    (RESULTS / "demo.json").write_text(json.dumps(rows, indent=2) + "\n")
+    ratio = rows[0]["peak_mib_per_rank"] / rows[1]["peak_mib_per_rank"]  # type: ignore[operator]
+    table = write_results("demo", rows, [
+        ("run", "run"), ("peak tensor memory / rank (MiB)", "peak_mib_per_rank"),
+        ("peak RSS / rank (MiB)", "peak_rss_mib_per_rank"), ("train loss", "train_loss"),
+        ("valid loss", "valid_loss"), ("words/s", "words_per_second"),
+    ], f"Sharded peak tensor memory per rank: {ratio:.0%} of stock.\n"
+       "Produced by `make demo` (2 gloo ranks on this CPU machine).")
     print("\n" + table)
 
 

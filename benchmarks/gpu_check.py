@@ -9,11 +9,8 @@ and its loss read from the log. Sized to finish in about 5 minutes on one H200.
 
 from __future__ import annotations
 
-import json
-import shutil
-
-from benchmarks.harness import REPO, run_training, training_args, transformer_args
-from fairseq_shard_plugin.synthetic_corpus import binarize, write_raw
+from benchmarks.harness import REPO, run_training, training_args, transformer_args, write_results
+from fairseq_shard_plugin.synthetic_corpus import make_corpus
 
 GIB = 1024**3
 MODEL = transformer_args(dim=1024, ffn=4096, layers=6, heads=16)
@@ -28,14 +25,11 @@ RUNS = [
 
 def main() -> None:
     work = REPO / "demo_work" / "gpu_check"
-    shutil.rmtree(work, ignore_errors=True)
-    write_raw(work / "raw", vocab=16000, sizes={"train": 20000, "valid": 200, "test": 200},
-              max_len=60, seed=1)
-    binarize(work / "raw", work / "bin")
+    data = make_corpus(work, vocab=16000, train=20000, valid=200, max_len=60)
     rows = []
     for name, plugin, flags in RUNS:
         tag = f"run{len(rows)}"
-        args = training_args(work / "bin", work / tag, max_update=50, max_tokens=4096,
+        args = training_args(data, work / tag, max_update=50, max_tokens=4096,
                              cpu=False) + MODEL + flags + ["--no-save", "--disable-validation"]
         run = run_training(args, nproc=1, plugin=plugin, measure_dir=work / tag / "memory",
                            stock_backend="fully_sharded", cuda=True, timeout=900, check=False)
@@ -51,17 +45,12 @@ def main() -> None:
         if run.returncode != 0:
             (work / f"{tag}.log").write_text(run.output)
             rows[-1]["error_tail"] = run.output[-2000:]
-    results = REPO / "benchmarks" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "gpu_check.json").write_text(json.dumps(rows, indent=2) + "\n")
-    table = ("| run | CUDA peak allocated (GiB) | CUDA peak reserved (GiB) | final loss | words/s |"
-             "\n|---|---|---|---|---|\n")
-    table += "".join(
-        f"| {r['run']} | {r['cuda_peak_allocated_gib']} | {r['cuda_peak_reserved_gib']}"
-        f" | {r['final_loss']} | {r['words_per_second']} |\n" for r in rows)
-    table += "\nProduced by `bash benchmarks/gpu_check.sh` on one GPU (d 1024, ffn 4096, 6+6 "
-    table += "layers, vocabulary ~32K, 4096 tokens per batch, 50 updates).\n"
-    (results / "gpu_check.md").write_text(table)
+    table = write_results("gpu_check", rows, [
+        ("run", "run"), ("CUDA peak allocated (GiB)", "cuda_peak_allocated_gib"),
+        ("CUDA peak reserved (GiB)", "cuda_peak_reserved_gib"), ("final loss", "final_loss"),
+        ("words/s", "words_per_second"),
+    ], "Produced by `bash benchmarks/gpu_check.sh` on one GPU (d 1024, ffn 4096, 6+6 layers, "
+       "vocabulary ~32K, 4096 tokens per batch, 50 updates).")
     print(table)
 
 

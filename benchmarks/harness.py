@@ -137,3 +137,27 @@ def run_training(
     if measure_dir:
         memory = [json.loads(p.read_text()) for p in sorted(measure_dir.glob("rank*.json"))]
     return RunResult(completed.returncode, output, parse_logs(output), memory)
+
+
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def write_results(
+    name: str, rows: list[dict], columns: list[tuple[str, str]], note: str
+) -> str:
+    """Write ``benchmarks/results/NAME.json`` and a Markdown table ``NAME.md``; return it.
+
+    ``columns`` are (header, row key) pairs; ``note`` follows the table (the command).
+    Missing values (None) read "n/a" in the table and null in the JSON.
+    """
+    header = "| " + " | ".join(title for title, _ in columns) + " |\n"
+    header += "|" + "---|" * len(columns) + "\n"
+    body = "".join(
+        "| " + " | ".join("n/a" if row[key] is None else str(row[key]) for _, key in columns)
+        + " |\n" for row in rows
+    )
+    table = f"{header}{body}\n{note}\n"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.md").write_text(table)
+    (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return table

@@ -9,11 +9,8 @@ updates. Model state (fp32 masters, gradients, Adam moments) is the same in ever
 
 from __future__ import annotations
 
-import json
-import shutil
-
-from benchmarks.harness import REPO, run_training, training_args, transformer_args
-from fairseq_shard_plugin.synthetic_corpus import binarize, write_raw
+from benchmarks.harness import REPO, run_training, training_args, transformer_args, write_results
+from fairseq_shard_plugin.synthetic_corpus import make_corpus
 
 MODEL = transformer_args(dim=512, ffn=2048, layers=2)
 PRECISIONS = [("fp32", []), ("fp16", ["--fp16"]), ("bf16", ["--bf16"])]
@@ -22,13 +19,10 @@ MIB = 1024**2
 
 def main() -> None:
     work = REPO / "demo_work" / "precision"
-    shutil.rmtree(work, ignore_errors=True)
-    write_raw(work / "raw", vocab=300, sizes={"train": 1500, "valid": 100, "test": 100},
-              max_len=12, seed=1)
-    binarize(work / "raw", work / "bin")
+    data = make_corpus(work)
     rows = []
     for name, flags in PRECISIONS:
-        args = training_args(work / "bin", work / name, max_update=10, max_tokens=512)
+        args = training_args(data, work / name, max_update=10, max_tokens=512)
         args += MODEL + flags + ["--no-save", "--disable-validation"]
         run = run_training(args, nproc=2, plugin=True, measure_dir=work / name / "memory")
         train = run.logs["train"][-1]
@@ -40,15 +34,11 @@ def main() -> None:
                 max(rank["peak_bytes"] for rank in run.memory) / MIB, 1),
             "train_loss": float(train["train_loss"]),
         })
-    table = ("| precision | model state / rank (MiB) | step peak / rank (MiB) "
-             "| process peak / rank (MiB) | train loss |\n|---|---|---|---|---|\n")
-    table += "".join(
-        f"| {r['precision']} | {r['model_state_mib_per_rank']} | {r['step_peak_mib_per_rank']} "
-        f"| {r['process_peak_mib_per_rank']} | {r['train_loss']} |\n" for r in rows)
-    table += "\nProduced by `.venv/bin/python -m benchmarks.precision` (2 gloo ranks, CPU).\n"
-    results = REPO / "benchmarks" / "results"
-    (results / "precision.md").write_text(table)
-    (results / "precision.json").write_text(json.dumps(rows, indent=2) + "\n")
+    table = write_results("precision", rows, [
+        ("precision", "precision"), ("model state / rank (MiB)", "model_state_mib_per_rank"),
+        ("step peak / rank (MiB)", "step_peak_mib_per_rank"),
+        ("process peak / rank (MiB)", "process_peak_mib_per_rank"), ("train loss", "train_loss"),
+    ], "Produced by `.venv/bin/python -m benchmarks.precision` (2 gloo ranks, CPU).")
     print(table)
 
 

@@ -10,11 +10,17 @@ the same way for the plugin and stock fairseq by ``fairseq-shard-measure-train``
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
-from benchmarks.harness import REPO, RunResult, run_training, training_args, transformer_args
+from benchmarks.harness import (
+    REPO,
+    RunResult,
+    run_training,
+    training_args,
+    transformer_args,
+    write_results,
+)
+from fairseq_shard_plugin.synthetic_corpus import make_corpus
 
 MODEL = transformer_args(dim=512, ffn=2048, layers=2)
 RUNS = [("plugin-1", 1, True), ("plugin-2", 2, True), ("plugin-4", 4, True), ("stock-2", 2, False)]
@@ -42,28 +48,18 @@ def peak_bytes(run: RunResult) -> int:
 
 
 def main() -> None:
-    from fairseq_shard_plugin.synthetic_corpus import binarize, write_raw
-
     work = REPO / "demo_work" / "scaling"
-    shutil.rmtree(work, ignore_errors=True)
-    write_raw(work / "raw", vocab=300, sizes={"train": 1500, "valid": 100, "test": 100},
-              max_len=12, seed=1)
-    binarize(work / "raw", work / "bin")
-    runs = measure_scaling(work / "bin", work)
+    runs = measure_scaling(make_corpus(work), work)
     rows = [{"run": name, "ranks": nproc,
              "model_state_mib_per_rank": None if state_gib(runs[name]) is None
              else round(state_gib(runs[name]) * 1024, 1),
              "peak_mib_per_rank": round(peak_bytes(runs[name]) / MIB, 1)}
             for name, nproc, _ in RUNS]
-    table = "| run | ranks | model state / rank (MiB) | peak tensor memory / rank (MiB) |\n"
-    table += "|---|---|---|---|\n"
-    table += "".join(f"| {r['run']} | {r['ranks']} | {r['model_state_mib_per_rank'] or 'n/a'} "
-                     f"| {r['peak_mib_per_rank']} |\n" for r in rows)
-    table += "\nProduced by `.venv/bin/python -m benchmarks.scaling`.\n"
-    results = REPO / "benchmarks" / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "scaling.md").write_text(table)
-    (results / "scaling.json").write_text(json.dumps(rows, indent=2) + "\n")
+    table = write_results("scaling", rows, [
+        ("run", "run"), ("ranks", "ranks"),
+        ("model state / rank (MiB)", "model_state_mib_per_rank"),
+        ("peak tensor memory / rank (MiB)", "peak_mib_per_rank"),
+    ], "Produced by `.venv/bin/python -m benchmarks.scaling`.")
     print(table)
 
 

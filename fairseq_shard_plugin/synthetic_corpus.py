@@ -51,6 +51,19 @@ def binarize(raw_dir: Path, bin_dir: Path, workers: int = 1) -> None:
     _preprocess(arguments)
 
 
+def make_corpus(
+    out_dir: Path, vocab: int = 300, train: int = 1500, valid: int = 100, max_len: int = 12,
+    seed: int = 1,
+) -> Path:
+    """Write and binarise a bilingual corpus under ``out_dir`` (replacing it); return the
+    binarised directory."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    write_raw(out_dir / "raw", vocab, {"train": train, "valid": valid, "test": valid}, max_len,
+              seed)
+    binarize(out_dir / "raw", out_dir / "bin")
+    return out_dir / "bin"
+
+
 def _render(words: list[int], language: str, vocab: int) -> str:
     rng = random.Random(language)
     permutation = list(range(vocab))
@@ -132,9 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         binarize_multilingual(args.out_dir / "raw", args.out_dir / "bin", languages, directions)
         print(args.out_dir / "bin")
         return
-    write_raw(args.out_dir / "raw", args.vocab, sizes, args.max_len, args.seed)
-    binarize(args.out_dir / "raw", args.out_dir / "bin")
-    print(args.out_dir / "bin")
+    print(make_corpus(args.out_dir, args.vocab, args.train, args.valid, args.max_len, args.seed))
 
 
 if __name__ == "__main__":

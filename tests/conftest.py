@@ -11,14 +11,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from fairseq_shard_plugin.synthetic_corpus import binarize, write_raw  # noqa: E402
+from fairseq_shard_plugin.synthetic_corpus import make_corpus  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Binarised synthetic translation data (joined dictionary of ~600 types)."""
-    root = tmp_path_factory.mktemp("corpus")
-    write_raw(root / "raw", vocab=300, sizes={"train": 1500, "valid": 100, "test": 100},
-              max_len=12, seed=1)
-    binarize(root / "raw", root / "bin")
-    return root / "bin"
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
