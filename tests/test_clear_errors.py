@@ -44,3 +44,11 @@ def test_unknown_engine_is_refused_by_the_flag_parser(corpus: Path, tmp_path: Pa
                               "--shard-engine", "deepspeed")
     assert completed.returncode != 0
     assert "--shard-engine: invalid choice: 'deepspeed'" in completed.stderr
+
+
+def test_single_process_without_torchrun_trains_on_a_one_rank_group(
+    corpus: Path, tmp_path: Path
+) -> None:
+    completed = fairseq_train(corpus, tmp_path / "save", "--no-save")
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "and the root over 1 ranks" in completed.stdout + completed.stderr
