@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from fairseq_shard_plugin.launch_env import launched_by_torchrun, uses_cuda
-from fairseq_shard_plugin.options import sharding_options
 
 
 class ShardingConfigError(ValueError):
@@ -19,7 +18,6 @@ def is_sharded_run(cfg: Any) -> bool:
 def check_sharded_config(cfg: Any) -> None:
     """Raise :class:`ShardingConfigError` for a sharded run that cannot work."""
     common, dist_cfg = cfg.common, cfg.distributed_training
-    sharding_options(cfg.task)  # rejects unknown engine names early
     if common.amp:
         raise ShardingConfigError(
             "--amp is not supported with --ddp-backend fully_sharded: use --fp16 or --bf16"

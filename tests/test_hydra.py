@@ -41,3 +41,12 @@ def test_dense_configs_compose(config: str, tmp_path: Path) -> None:
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert f"_name: nllb_{config}" in completed.stdout
     assert "ddp_backend: fully_sharded" in completed.stdout
+
+
+def test_unknown_engine_from_a_hydra_override_is_refused(corpus: Path, tmp_path: Path) -> None:
+    completed = hydra_train(1, "tiny", f"task.data={corpus}", "task.shard_engine=deepspeed",
+                            cwd=tmp_path)
+    assert completed.returncode != 0
+    output = completed.stdout + completed.stderr
+    # the task's dataclass config checks the choice when Hydra's config is merged into it
+    assert "Invalid value 'deepspeed', expected one of [fsdp2]" in output
