@@ -13,7 +13,7 @@ from typing import Any
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
-SHARD_ENGINES = ChoiceEnum(["fsdp2"])
+SHARD_ENGINES = ChoiceEnum(["fsdp2", "fairscale"])
 
 
 @dataclass
@@ -22,7 +22,10 @@ class ShardingConfig(FairseqDataclass):
 
     shard_engine: SHARD_ENGINES = field(  # type: ignore[valid-type]
         default="fsdp2",
-        metadata={"help": "sharding engine: fsdp2 (torch fully_shard; CPU/gloo and CUDA/NCCL)"},
+        metadata={
+            "help": "sharding engine: fsdp2 (torch fully_shard; CPU/gloo and CUDA/NCCL) or "
+            "fairscale (fairscale FSDP, flat parameters; CUDA only)"
+        },
     )
     keep_root_gathered: bool = field(
         default=False,

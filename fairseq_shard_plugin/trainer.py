@@ -21,9 +21,7 @@ from fairseq.trainer import Trainer
 from torch.distributed.tensor.experimental import implicit_replication
 
 from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError, describe_checkpoint_problem
-from fairseq_shard_plugin.engines import fsdp2
-from fairseq_shard_plugin.full_state import gather_full_state, shard_optimizer_state_like_params
-from fairseq_shard_plugin.gradients import global_grad_norm
+from fairseq_shard_plugin.engines import build_engine
 from fairseq_shard_plugin.launch_env import ensure_process_group, uses_cuda
 from fairseq_shard_plugin.memory import StepMemoryProbe, storage_bytes
 from fairseq_shard_plugin.memory_metrics import log_step_memory
@@ -33,7 +31,6 @@ from fairseq_shard_plugin.precision import (
     cast_buffers,
     compute_dtype,
     fp16_loss_scaler,
-    mixed_precision_policy,
 )
 from fairseq_shard_plugin.validation import ShardingConfigError, check_sharded_config
 from fairseq_shard_plugin.wrap_policy import build_plan
@@ -68,11 +65,11 @@ class ShardedTrainer(Trainer):
         ensure_process_group(cfg, use_cuda)
         self.sharding_plan = build_plan(model, self.sharding_options.keep_root_gathered)
         self.compute_dtype = compute_dtype(cfg.common)
-        mesh = fsdp2.data_parallel_mesh("cuda" if use_cuda else "cpu")
-        precision = mixed_precision_policy(
-            self.compute_dtype, self.sharding_options.reduce_in_16_bit
+        self.engine = build_engine(
+            self.sharding_options.shard_engine, use_cuda, self.compute_dtype,
+            self.sharding_options.reduce_in_16_bit, cfg.model,
         )
-        fsdp2.apply_plan(self.sharding_plan, mesh, precision)
+        sharded_model = self.engine.shard(model, self.sharding_plan)
         if self.compute_dtype is not None:
             cast_buffers(model, self.compute_dtype)
         logger.info(
@@ -89,7 +86,7 @@ class ShardedTrainer(Trainer):
         # weights_only loading (rightly) refuses on the receiving ranks.
         cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
         with _without_16_bit_flags(cfg.common):
-            super().__init__(cfg, task, model, criterion, quantizer)
+            super().__init__(cfg, task, sharded_model, criterion, quantizer)
         self._memory_probe = (
             None if self.sharding_options.no_memory_report else StepMemoryProbe(self.device)
         )
@@ -136,7 +133,7 @@ class ShardedTrainer(Trainer):
         self._lr_scheduler.step_update(0)
 
     def clip_grad_norm(self, clip_norm: float) -> torch.Tensor:
-        stored_norm = global_grad_norm(self._trainable_params(), self.device)
+        stored_norm = self.engine.grad_norm(self._trainable_params(), self.device)
         return self.optimizer.apply_norm(stored_norm, clip_norm)
 
     def set_num_updates(self, num_updates: int) -> None:
@@ -147,7 +144,7 @@ class ShardedTrainer(Trainer):
 
     def state_dict(self) -> dict[str, Any]:
         """A standard fairseq checkpoint: full (gathered) model and optimizer tensors."""
-        return gather_full_state(super().state_dict())
+        return self.engine.full_state(super().state_dict(), self.optimizer.optimizer)
 
     def load_checkpoint(self, filename: str, *args: Any, **kwargs: Any) -> Any:
         """Load a full checkpoint into the sharded model: each rank keeps its own slice.
@@ -163,7 +160,7 @@ class ShardedTrainer(Trainer):
             raise CheckpointLoadError(
                 describe_checkpoint_problem(filename, shapes, error)
             ) from error
-        shard_optimizer_state_like_params(self.optimizer.optimizer)
+        self.engine.shard_loaded_state(self.optimizer.optimizer)
         return extra_state
 
     def train_step(self, samples: Any, raise_oom: bool = False) -> Any:
