@@ -1,8 +1,11 @@
-"""Fill fairseq's distributed settings from a torchrun launch, so CPU ranks just work.
+"""Fill fairseq's distributed settings from a torchrun or Slurm launch, so CPU ranks just work.
 
 Stock fairseq defaults ``--distributed-world-size`` to the number of CUDA devices (1 on a
 CPU machine, so torchrun silently trains single-process) and computes the device id as
 ``rank % torch.cuda.device_count()`` (ZeroDivisionError without CUDA).
+
+Ranks started directly by ``srun`` (one task per rank, no torchrun) get torchrun's variables
+from Slurm's (:func:`adopt_slurm_environment`), so both launchers take the same path.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 TORCHRUN_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+SLURM_RANK_VARIABLES = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 
 
 def launched_by_torchrun(environ: os._Environ[str] | dict[str, str] = os.environ) -> bool:
@@ -27,11 +31,96 @@ def uses_cuda(cfg: Any) -> bool:
     return torch.cuda.is_available() and not cfg.common.cpu
 
 
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist: ``gpu[07-09,12],cpu1`` -> ``gpu07``."""
+    depth, end = 0, len(nodelist)
+    for index, char in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            end = index
+            break
+    first = nodelist[:end]
+    while "[" in first:  # keep the first element of every bracket range
+        head, rest = first.split("[", 1)
+        ranges, tail = rest.split("]", 1)
+        first = head + ranges.split(",")[0].split("-")[0] + tail
+    return first
+
+
+def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """Slurm's ``SLURM_TASKS_PER_NODE`` (``2(x3),1``) read for node ``node_id``."""
+    node = 0
+    for item in tasks_per_node.split(","):
+        count, _, repeat = item.partition("(x")
+        node += int(repeat.rstrip(")")) if repeat else 1
+        if node_id < node:
+            return int(count)
+    raise ValueError(f"node {node_id} is not in SLURM_TASKS_PER_NODE={tasks_per_node}")
+
+
+def slurm_as_torchrun(
+    environ: dict[str, str], port: int, cuda_devices: int = 0
+) -> dict[str, str]:
+    """torchrun's variables for a rank that ``srun`` started itself (one task per rank).
+
+    Empty when torchrun set them already, when this is no multi-task Slurm step, or when
+    there is one task on a node with several GPUs: fairseq's own Slurm mode then spawns a
+    process per GPU. ``port`` is the rendezvous port (fairseq's ``--distributed-port``);
+    where it is not given (<= 0) one is derived from the job id, the same on every rank.
+    """
+    if launched_by_torchrun(environ) or not all(v in environ for v in SLURM_RANK_VARIABLES):
+        return {}
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+    if nodelist is None or int(environ["SLURM_NTASKS"]) < 2:
+        return {}
+    tasks_per_node = (
+        environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+        or environ.get("SLURM_NTASKS_PER_NODE") or environ["SLURM_NTASKS"]
+    )
+    local_ranks = _tasks_on_node(tasks_per_node, int(environ.get("SLURM_NODEID", "0")))
+    if local_ranks == 1 and cuda_devices > 1:
+        return {}
+    if port <= 0:
+        port = 20000 + int(environ.get("SLURM_JOB_ID", "0")) % 20000
+    return {
+        "MASTER_ADDR": first_slurm_host(nodelist),
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": environ["SLURM_NTASKS"],
+        "RANK": environ["SLURM_PROCID"],
+        "LOCAL_RANK": environ["SLURM_LOCALID"],
+        "LOCAL_WORLD_SIZE": str(local_ranks),
+    }
+
+
+def adopt_slurm_environment(
+    cfg: Any, environ: os._Environ[str] | dict[str, str] = os.environ
+) -> None:
+    """Give a rank started by ``srun`` torchrun's variables (written into ``environ``)."""
+    if cfg.distributed_training.distributed_init_method is not None:
+        return
+    cuda_devices = torch.cuda.device_count() if uses_cuda(cfg) else 0
+    port = cfg.distributed_training.distributed_port
+    environ.update(slurm_as_torchrun(dict(environ), port, cuda_devices))
+
+
+def ranks_per_node(environ: os._Environ[str] | dict[str, str] = os.environ) -> int | None:
+    """Ranks on this node as the launcher says: torchrun's ``LOCAL_WORLD_SIZE``, else Slurm's
+    tasks per node (when several), else its GPUs on the node; None if nothing says."""
+    for name, least in (
+        ("LOCAL_WORLD_SIZE", 1), ("SLURM_NTASKS_PER_NODE", 2), ("SLURM_GPUS_ON_NODE", 1)
+    ):
+        value = environ.get(name, "")
+        if value.isdigit() and int(value) >= least:
+            return int(value)
+    return None
+
+
 def apply_torchrun_environment(
     cfg: Any, environ: os._Environ[str] | dict[str, str] = os.environ
 ) -> None:
-    """Take world size, rank and device from torchrun's variables; gloo on CPU."""
+    """Take world size, rank and device from torchrun's variables (or Slurm's); gloo on CPU."""
     dist_cfg = cfg.distributed_training
+    adopt_slurm_environment(cfg, environ)
     if dist_cfg.distributed_init_method is not None or not launched_by_torchrun(environ):
         return
     dist_cfg.distributed_init_method = "env://"

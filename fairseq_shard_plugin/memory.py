@@ -14,8 +14,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 
 GIB = 1024**3
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -80,18 +85,29 @@ class LiveTensorMeter(TorchDispatchMode):
 
     ``resident`` tensors that already exist (parameters, gradients, optimizer state) are
     counted from the start. Use as a context manager around the code to measure.
+
+    For CPU offload, storages can be marked as host-side (:meth:`mark_host`, ``host``
+    tensors, everything allocated while ``host_phase`` is set): ``device_peak_bytes`` is
+    the peak of the live bytes without them, i.e. what an accelerator would have held.
     """
 
-    def __init__(self, resident: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(
+        self, resident: Iterable[torch.Tensor] = (), host: Iterable[torch.Tensor] = ()
+    ) -> None:
         super().__init__()
-        # id(storage) -> [weak reference, counted bytes]. PyTorch keeps one Python object
-        # per live storage, and the weak reference's callback drops the entry before that
-        # id can be reused, so ids identify storages while they are tracked.
+        # id(storage) -> [weak reference, counted bytes, host-side]. PyTorch keeps one
+        # Python object per live storage, and the weak reference's callback drops the entry
+        # before that id can be reused, so ids identify storages while they are tracked.
         self._tracked: dict[int, list] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.host_bytes = 0
+        self.device_peak_bytes = 0
+        self.host_phase = False
         for tensor in resident:
             self._track(tensor)
+        for tensor in host:
+            self.mark_host(tensor)
 
     def __enter__(self) -> LiveTensorMeter:
         _ResizeWatch.add(self)
@@ -118,9 +134,23 @@ class LiveTensorMeter(TorchDispatchMode):
             entry = self._tracked.get(id(storage))
             if entry is None:
                 key = id(storage)
-                entry = [weakref.ref(storage, lambda _, key=key: self._freed(key)), 0]
+                ref = weakref.ref(storage, lambda _, key=key: self._freed(key))
+                entry = [ref, 0, self.host_phase]
                 self._tracked[key] = entry
             self._set(entry, storage.nbytes())
+
+    def mark_host(self, tensor: torch.Tensor) -> None:
+        """Count the storages behind ``tensor`` as host-side from now on."""
+        host_phase, self.host_phase = self.host_phase, True
+        try:
+            self._track(tensor)  # new entries start host-side
+        finally:
+            self.host_phase = host_phase
+        for storage in tensor_storages(tensor):
+            entry = self._tracked.get(id(storage))
+            if entry is not None and not entry[2]:
+                entry[2] = True
+                self.host_bytes += entry[1]
 
     def resized(self, storage: torch.UntypedStorage) -> None:
         entry = self._tracked.get(id(storage))
@@ -128,15 +158,22 @@ class LiveTensorMeter(TorchDispatchMode):
             self._set(entry, storage.nbytes())
 
     def _set(self, entry: list, nbytes: int) -> None:
-        self.live_bytes += nbytes - entry[1]
+        change = nbytes - entry[1]
+        self.live_bytes += change
         entry[1] = nbytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
+        if entry[2]:
+            self.host_bytes += change
+        elif self.live_bytes - self.host_bytes > self.device_peak_bytes:
+            self.device_peak_bytes = self.live_bytes - self.host_bytes
 
     def _freed(self, key: int) -> None:
         entry = self._tracked.pop(key, None)
         if entry is not None:
             self.live_bytes -= entry[1]
+            if entry[2]:
+                self.host_bytes -= entry[1]
 
 
 @dataclass(frozen=True)
@@ -145,6 +182,9 @@ class StepMemory:
 
     peak_allocated: int
     peak_reserved: int | None  # CUDA only: what the caching allocator held
+    # accelerator-side peak: CUDA's peak allocated; on CPU the live bytes without host-side
+    # (offloaded) storages, see LiveTensorMeter
+    peak_device: int | None = None
 
 
 def peak_rss_bytes() -> int:
@@ -167,22 +207,54 @@ class StepMemoryProbe:
         self.result: StepMemory | None = None
         self._meter: LiveTensorMeter | None = None
 
-    def start(self, resident: Iterable[torch.Tensor]) -> None:
+    def start(
+        self, resident: Iterable[torch.Tensor], host: Iterable[torch.Tensor] = ()
+    ) -> None:
+        """``host``: resident tensors that live on the host (offloaded), CPU meter only."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            self._meter = LiveTensorMeter(resident)
+            self._meter = LiveTensorMeter(resident, host)
             self._meter.__enter__()
+
+    @property
+    def meter(self) -> LiveTensorMeter | None:
+        """The active CPU meter (to mark offloaded storages), None on CUDA or between steps."""
+        return self._meter
 
     def stop(self) -> StepMemory:
         if self.device.type == "cuda":
-            self.result = StepMemory(
-                torch.cuda.max_memory_allocated(self.device),
-                torch.cuda.max_memory_reserved(self.device),
-            )
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.result = StepMemory(peak, torch.cuda.max_memory_reserved(self.device), peak)
         else:
             assert self._meter is not None, "stop() without start()"
             self._meter.__exit__(None, None, None)
-            self.result = StepMemory(self._meter.peak_bytes, None)
+            meter = self._meter
+            self.result = StepMemory(meter.peak_bytes, None, meter.device_peak_bytes)
             self._meter = None
         return self.result
+
+
+def watch_offloaded_state(
+    probe: StepMemoryProbe, params: Iterable[torch.nn.Parameter]
+) -> list[RemovableHandle]:
+    """Under CPU offload on CPU ranks, tell the probe's meter what an accelerator would not
+    hold: each sharded gradient once FSDP has reduced it (FSDP then copies it to the host),
+    and everything allocated during an optimizer step (which runs on the host)."""
+
+    def gradient_reduced(param: torch.Tensor) -> None:
+        if probe.meter is not None and param.grad is not None:
+            probe.meter.mark_host(param.grad)
+
+    def optimizer_step(host_phase: bool):  # type: ignore[no-untyped-def]
+        def hook(*_: object) -> None:
+            if probe.meter is not None:
+                probe.meter.host_phase = host_phase
+
+        return hook
+
+    handles = [p.register_post_accumulate_grad_hook(gradient_reduced)
+               for p in params if p.requires_grad]
+    handles.append(register_optimizer_step_pre_hook(optimizer_step(True)))
+    handles.append(register_optimizer_step_post_hook(optimizer_step(False)))
+    return handles

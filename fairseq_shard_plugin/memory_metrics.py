@@ -12,6 +12,9 @@ from fairseq_shard_plugin.memory import GIB, StepMemory
 PEAK_KEY = "peak_mem_gb"  # CUDA max allocated, or peak live tensor bytes on CPU
 RESERVED_KEY = "peak_reserved_gb"  # CUDA only: the caching allocator's peak
 STATE_KEY = "state_mem_gb"  # parameters + gradients + optimizer state held by a rank
+# with --cpu-offload only: the accelerator-side peak (CUDA: as PEAK_KEY; CPU: the peak of
+# live tensor bytes without the offloaded state, see memory.LiveTensorMeter)
+DEVICE_KEY = "device_mem_gb"
 
 
 class MaxMeter(Meter):
@@ -49,11 +52,21 @@ def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
-def log_step_memory(step: StepMemory, state_bytes: int, device: torch.device) -> None:
-    """All-reduce the rank's figures (MAX) and log them; every rank must call this."""
+def log_step_memory(
+    step: StepMemory, state_bytes: int, device: torch.device, offloaded: bool = False
+) -> None:
+    """All-reduce the rank's figures (MAX) and log them; every rank must call this.
+
+    ``offloaded`` (``--cpu-offload``) adds the accelerator-side peak.
+    """
     reserved = step.peak_reserved if step.peak_reserved is not None else 0
-    peak, reserved, state = max_over_ranks([step.peak_allocated, reserved, state_bytes], device)
+    on_device = step.peak_device if step.peak_device is not None else step.peak_allocated
+    peak, reserved, state, on_device = max_over_ranks(
+        [step.peak_allocated, reserved, state_bytes, on_device], device
+    )
     _log_max(PEAK_KEY, peak / GIB, priority=900)
     if step.peak_reserved is not None:
         _log_max(RESERVED_KEY, reserved / GIB, priority=901)
     _log_max(STATE_KEY, state / GIB, priority=902)
+    if offloaded:
+        _log_max(DEVICE_KEY, on_device / GIB, priority=903)

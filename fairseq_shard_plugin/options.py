@@ -14,6 +14,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
 SHARD_ENGINES = ChoiceEnum(["fsdp2", "fairscale"])
+SHARD_STRATEGIES = ChoiceEnum(["full", "hybrid"])
 
 
 @dataclass
@@ -39,6 +40,20 @@ class ShardingConfig(FairseqDataclass):
         metadata={
             "help": "with --fp16/--bf16, reduce-scatter gradients in 16 bits instead of fp32 "
             "(halves gradient traffic; less precise)"
+        },
+    )
+    shard_strategy: SHARD_STRATEGIES = field(  # type: ignore[valid-type]
+        default="full",
+        metadata={
+            "help": "full: shard over all ranks; hybrid: shard within a node, replicate "
+            "across nodes (2-D device mesh, HSDP)"
+        },
+    )
+    shard_group_size: int = field(
+        default=0,
+        metadata={
+            "help": "ranks per shard group with --shard-strategy hybrid; 0: ranks per node "
+            "from the launcher (torchrun LOCAL_WORLD_SIZE, Slurm tasks or GPUs per node)"
         },
     )
     no_memory_report: bool = field(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from fairseq_shard_plugin.launch_env import launched_by_torchrun, uses_cuda
+from fairseq_shard_plugin.launch_env import launched_by_torchrun, ranks_per_node, uses_cuda
+from fairseq_shard_plugin.options import ShardingConfig, sharding_options
 
 
 class ShardingConfigError(ValueError):
@@ -13,6 +15,33 @@ class ShardingConfigError(ValueError):
 
 def is_sharded_run(cfg: Any) -> bool:
     return cfg.distributed_training.ddp_backend == "fully_sharded"
+
+
+def shard_group_size(
+    options: ShardingConfig,
+    world_size: int,
+    environ: os._Environ[str] | dict[str, str] = os.environ,
+) -> int:
+    """Ranks that share one copy of the model: all of them (full), or one node's (hybrid)."""
+    if options.shard_strategy != "hybrid":
+        return world_size
+    size = options.shard_group_size or ranks_per_node(environ)
+    if size is None:
+        raise ShardingConfigError(
+            "--shard-strategy hybrid needs the ranks per node: launch with torchrun or srun, "
+            "or give --shard-group-size"
+        )
+    if world_size % size != 0:
+        raise ShardingConfigError(
+            f"--shard-strategy hybrid: world size {world_size} is not a multiple of {size} "
+            "ranks per node: set --shard-group-size to a divisor of the world size"
+        )
+    if size >= world_size:
+        raise ShardingConfigError(
+            f"--shard-strategy hybrid needs more than one node, but all {world_size} ranks "
+            "form one shard group: use --shard-strategy full (or a smaller --shard-group-size)"
+        )
+    return size
 
 
 def check_sharded_config(cfg: Any) -> None:
@@ -34,10 +63,13 @@ def check_sharded_config(cfg: Any) -> None:
         )
     if cfg.optimization.use_bmuf:
         raise ShardingConfigError("--use-bmuf cannot be combined with --ddp-backend fully_sharded")
-    if dist_cfg.cpu_offload:
-        raise ShardingConfigError(
-            "--cpu-offload is not supported by this plugin version: remove --cpu-offload"
-        )
+    options = sharding_options(cfg.task)
+    if options.shard_strategy == "hybrid":
+        if options.shard_engine != "fsdp2":
+            raise ShardingConfigError(
+                "--shard-strategy hybrid needs --shard-engine fsdp2 (a 2-D device mesh)"
+            )
+        shard_group_size(options, dist_cfg.distributed_world_size)
     if dist_cfg.use_sharded_state:
         raise ShardingConfigError(
             "--use-sharded-state is fairscale's checkpoint format; the plugin writes "

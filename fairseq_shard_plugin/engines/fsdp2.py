@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from fairseq_shard_plugin.wrap_policy import ShardingPlan, ShardUnit
 
@@ -14,20 +19,49 @@ def data_parallel_mesh(device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def _shard_unit(unit: ShardUnit, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
+def sharding_mesh(device_type: str, shard_group_size: int) -> DeviceMesh:
+    """Full sharding (1-D mesh) when one shard group spans all ranks; otherwise a 2-D
+    mesh (replicate, shard) for hybrid sharding: consecutive ranks, i.e. one node's ranks
+    under torchrun and Slurm's block distribution, form a shard group; groups replicate."""
+    world_size = dist.get_world_size()
+    if shard_group_size == world_size:
+        return data_parallel_mesh(device_type)
+    return init_device_mesh(
+        device_type,
+        (world_size // shard_group_size, shard_group_size),
+        mesh_dim_names=("replicate", "shard"),
+    )
+
+
+def offload_policy(offload: bool, mesh: DeviceMesh) -> OffloadPolicy:
+    """FSDP2's CPU offload (sharded parameters, gradients and, through them, optimizer state
+    live on CPU; the optimizer steps there) or none. Pinned memory only exists with CUDA."""
+    if not offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+
+
+def _shard_unit(
+    unit: ShardUnit, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, offload: OffloadPolicy
+) -> None:
     target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
     fully_shard(target, mesh=mesh, reshard_after_forward=unit.reshard_after_forward,
-                mp_policy=mp_policy)
+                mp_policy=mp_policy, offload_policy=offload)
 
 
 def apply_plan(
-    plan: ShardingPlan, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+    plan: ShardingPlan,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload: bool = False,
 ) -> None:
     """Shard every unit of ``plan`` in place, inner units first, then the root.
 
     ``mp_policy`` casts gathered parameters for compute; the shards stay in their dtype.
+    With ``offload`` the shards (and their gradients) are kept on CPU.
     """
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    policy = offload_policy(offload, mesh)
     for unit in plan.units:
-        _shard_unit(unit, mesh, mp_policy)
-    _shard_unit(plan.root, mesh, mp_policy)
+        _shard_unit(unit, mesh, mp_policy, policy)
+    _shard_unit(plan.root, mesh, mp_policy, policy)
