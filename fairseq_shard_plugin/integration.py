@@ -20,6 +20,15 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    fairseq's parser implies from ``--bf16``, rejects unworkable sharded configurations
    with a one-line error before any process group or data is touched, and turns a
    checkpoint that cannot be loaded into a one-line error naming the file and the mismatch.
+5. ``checkpoint_utils.save_checkpoint``: fairseq writes the first checkpoint name through
+   ``Trainer.save_checkpoint`` (atomic in the plugin's trainer) and then copies it to the
+   other names (``checkpoint_last.pt``, ``checkpoint_best.pt``) with
+   ``PathManager.copy``, which truncates and rewrites the destination in place: a crash
+   during that copy leaves a half-written ``checkpoint_last.pt`` that resume then picks.
+   There is no option or hook for the copy, so for sharded runs the wrapper runs fairseq's
+   function with its module's ``PathManager`` replaced by one whose local copies go
+   through a temporary file and ``os.replace`` (``atomic_files``); everything else,
+   including which names are written and which old ones are removed, stays fairseq's.
 """
 
 from __future__ import annotations
@@ -30,10 +39,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import fairseq
+import fairseq.checkpoint_utils as checkpoint_utils
 import fairseq.distributed.utils as distributed_utils
 import fairseq.logging.meters as fairseq_meters
 import fairseq_cli.train as train_cli
+from fairseq.file_io import PathManager
 
+from fairseq_shard_plugin.atomic_files import copy_atomically
 from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError
 from fairseq_shard_plugin.launch_env import apply_torchrun_environment
 from fairseq_shard_plugin.memory_metrics import MaxMeter
@@ -86,6 +98,40 @@ def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[
     return call_main
 
 
+class _AtomicLocalCopies(PathManager):
+    """fairseq's ``PathManager`` with crash-safe copies between local files (hook 5)."""
+
+    @staticmethod
+    def copy(src_path: str, dst_path: str, overwrite: bool = False) -> bool:
+        if "://" in src_path or "://" in dst_path:  # remote storage: fairseq's own copy
+            return PathManager.copy(src_path, dst_path, overwrite)
+        copy_atomically(src_path, dst_path)
+        return True
+
+
+@contextlib.contextmanager
+def _atomic_checkpoint_copies() -> Iterator[None]:
+    stock = checkpoint_utils.PathManager
+    checkpoint_utils.PathManager = _AtomicLocalCopies
+    try:
+        yield
+    finally:
+        checkpoint_utils.PathManager = stock
+
+
+def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
+    def save_checkpoint(cfg: Any, trainer: Any, epoch_itr: Any, val_loss: Any) -> Any:
+        if not getattr(trainer, "writes_checkpoints_atomically", False):
+            return stock_save(cfg, trainer, epoch_itr, val_loss)
+        with _atomic_checkpoint_copies():
+            return stock_save(cfg, trainer, epoch_itr, val_loss)
+
+    # fairseq keeps the best validation loss as an attribute of the module-level function
+    # (``save_checkpoint.best``), looked up by name: it now lives on this wrapper.
+    save_checkpoint.__wrapped__ = stock_save  # type: ignore[attr-defined]
+    return save_checkpoint
+
+
 def _train_modules() -> list[Any]:
     """``fairseq_cli.train``, and ``__main__`` when run as ``python -m fairseq_cli.train``."""
     modules = [train_cli]
@@ -114,5 +160,7 @@ def install() -> None:
         module.Trainer = _select_trainer(module.Trainer)
         setattr(module, _INSTALLED_MARK, True)
     fairseq_meters.MaxMeter = MaxMeter
+    if not hasattr(checkpoint_utils.save_checkpoint, "__wrapped__"):
+        checkpoint_utils.save_checkpoint = _with_atomic_copies(checkpoint_utils.save_checkpoint)
     if not hasattr(distributed_utils.call_main, "__wrapped__"):
         distributed_utils.call_main = _with_launcher_environment(distributed_utils.call_main)

@@ -21,6 +21,7 @@ from fairseq.trainer import Trainer
 from torch.distributed.tensor.experimental import implicit_replication
 
 from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError, describe_checkpoint_problem
+from fairseq_shard_plugin.checkpoint_files import save_full_checkpoint
 from fairseq_shard_plugin.engines import build_engine
 from fairseq_shard_plugin.launch_env import ensure_process_group, uses_cuda
 from fairseq_shard_plugin.memory import StepMemoryProbe, storage_bytes
@@ -103,6 +104,9 @@ class ShardedTrainer(Trainer):
         # FSDP reduce-scatters gradients in backward: no DDP-style wrapper around the model.
         return False
 
+    # Read by integration hook 5: fairseq's copies to checkpoint_last/best become atomic.
+    writes_checkpoints_atomically = True
+
     @property
     def always_call_state_dict_during_save_checkpoint(self) -> bool:
         # Gathering full tensors for the checkpoint is a collective over all ranks.
@@ -145,6 +149,12 @@ class ShardedTrainer(Trainer):
     def state_dict(self) -> dict[str, Any]:
         """A standard fairseq checkpoint: full (gathered) model and optimizer tensors."""
         return self.engine.full_state(super().state_dict(), self.optimizer.optimizer)
+
+    def save_checkpoint(self, filename: str, extra_state: dict[str, Any]) -> str | None:
+        """Write the checkpoint on the saving rank; a crash never leaves a half-written file."""
+        if not self.should_save_checkpoint_on_current_rank:
+            return None
+        return save_full_checkpoint(self, filename, extra_state)
 
     def load_checkpoint(self, filename: str, *args: Any, **kwargs: Any) -> Any:
         """Load a full checkpoint into the sharded model: each rank keeps its own slice.
