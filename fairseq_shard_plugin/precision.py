@@ -11,12 +11,15 @@ dynamic loss scaler with its flags; bf16 needs no scaling.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from fairseq.optim import FairseqOptimizer
 from fairseq.optim.dynamic_loss_scaler import DynamicLossScaler
 from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fairseq_shard_plugin.local_shards import LocalShards
 
 logger = logging.getLogger(__name__)
 
@@ -73,14 +76,21 @@ class ShardedMasterOptimizer(FairseqOptimizer):
     ``multiply_grads`` and clipping accumulate into one factor, applied once. On overflow
     (a non-finite global norm, the same on every rank) the step is skipped, parameters and
     optimizer state stay bit-identical, and the scaler lowers the scale.
+
+    With ``shards`` the wrapped optimizer was built over ``shards.locals`` (plain tensors on
+    the parameters' local shards, see :mod:`~fairseq_shard_plugin.local_shards`): ``params``
+    still yields the model's (DTensor) parameters, and :meth:`state_dict` /
+    :meth:`load_state_dict` still speak DTensors sharded like them.
     """
 
     def __init__(
-        self, cfg: Any, fp32_optimizer: FairseqOptimizer, scaler: DynamicLossScaler | None
+        self, cfg: Any, fp32_optimizer: FairseqOptimizer, scaler: DynamicLossScaler | None,
+        shards: LocalShards | None = None,
     ) -> None:
         super().__init__(cfg.optimizer)
         self.fp32_optimizer = fp32_optimizer
         self.scaler = scaler
+        self.shards = shards
         self.skipped_step = False
         self._grad_factor = self._initial_factor()
 
@@ -96,11 +106,18 @@ class ShardedMasterOptimizer(FairseqOptimizer):
     def optimizer_config(self) -> dict[str, Any]:
         return self.fp32_optimizer.optimizer_config
 
+    @property
+    def params(self) -> Iterator[torch.Tensor]:
+        """The model's parameters (DTensors when sharded), not their local stand-ins."""
+        yield from self.shards.params if self.shards is not None else self.fp32_optimizer.params
+
     def _initial_factor(self) -> float:
         return 1.0 / self.scaler.loss_scale if self.scaler is not None else 1.0
 
     def state_dict(self) -> dict[str, Any]:
         state = self.fp32_optimizer.state_dict()
+        if self.shards is not None:
+            state = self.shards.sharded_state(state, self.optimizer)
         if self.scaler is not None:
             state["loss_scale"] = self.scaler.loss_scale
         return state
@@ -110,6 +127,8 @@ class ShardedMasterOptimizer(FairseqOptimizer):
         loss_scale = state_dict.pop("loss_scale", None)
         if loss_scale is not None and self.scaler is not None:
             self.scaler.loss_scale = loss_scale
+        if self.shards is not None:
+            state_dict = self.shards.local_state(state_dict, self.optimizer)
         self.fp32_optimizer.load_state_dict(state_dict, optimizer_overrides)
         self._grad_factor = self._initial_factor()
 
@@ -146,7 +165,11 @@ class ShardedMasterOptimizer(FairseqOptimizer):
             self.zero_grad()
             return
         factor = self._grad_factor / scale
-        if factor != 1.0:
+        if self.shards is not None:
+            grads = self.shards.bind()
+            if factor != 1.0 and grads:
+                torch._foreach_mul_(grads, factor)
+        elif factor != 1.0:
             for param in self.params:
                 if param.grad is not None:
                     param.grad.mul_(factor)
@@ -156,6 +179,8 @@ class ShardedMasterOptimizer(FairseqOptimizer):
         self._grad_factor = self._initial_factor()
 
     def zero_grad(self) -> None:
+        if self.shards is not None:
+            self.shards.zero_grad()
         self.fp32_optimizer.zero_grad()
         self._grad_factor = self._initial_factor()
 

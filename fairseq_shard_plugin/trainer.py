@@ -24,6 +24,7 @@ from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError, describe
 from fairseq_shard_plugin.checkpoint_files import save_full_checkpoint
 from fairseq_shard_plugin.engines import build_engine
 from fairseq_shard_plugin.launch_env import ensure_process_group, uses_cuda
+from fairseq_shard_plugin.local_shards import LocalShards
 from fairseq_shard_plugin.memory import StepMemoryProbe, storage_bytes
 from fairseq_shard_plugin.memory_metrics import log_step_memory
 from fairseq_shard_plugin.options import sharding_options
@@ -122,7 +123,9 @@ class ShardedTrainer(Trainer):
             p for p in chain(self.model.parameters(), self.criterion.parameters())
             if p.requires_grad
         ]
-        fp32_optimizer = optim.build_optimizer(self.cfg.optimizer, params)
+        # The optimizer updates plain tensors on the local shards (no DTensor dispatch).
+        shards = LocalShards(params)
+        fp32_optimizer = optim.build_optimizer(self.cfg.optimizer, shards.locals)
         if not fp32_optimizer.supports_flat_params:
             raise ShardingConfigError(
                 f"--optimizer {self.cfg.optimizer._name} is not element-wise, so its sharded "
@@ -130,7 +133,7 @@ class ShardedTrainer(Trainer):
                 "or adamax with --ddp-backend fully_sharded"
             )
         scaler = fp16_loss_scaler(self.cfg) if self.compute_dtype == torch.float16 else None
-        self._optimizer = ShardedMasterOptimizer(self.cfg, fp32_optimizer, scaler)
+        self._optimizer = ShardedMasterOptimizer(self.cfg, fp32_optimizer, scaler, shards)
         self._lr_scheduler = lr_scheduler.build_lr_scheduler(
             self.cfg.lr_scheduler, self._optimizer
         )

@@ -60,7 +60,7 @@ def train_step_with_report(self: ShardedTrainer, samples, raise_oom=False):  # t
 def _snapshot(trainer: ShardedTrainer) -> dict:
     return {
         "model": gather_full_state(trainer.model.state_dict()),
-        "optim": gather_full_state(trainer.optimizer.optimizer.state_dict()["state"]),
+        "optim": gather_full_state(trainer.optimizer.state_dict()["state"]),
         "scale": trainer.optimizer.scaler.loss_scale,
         "updates": trainer.get_num_updates(),
     }
