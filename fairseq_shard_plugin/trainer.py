@@ -25,7 +25,7 @@ from fairseq_shard_plugin.checkpoint_files import save_full_checkpoint
 from fairseq_shard_plugin.engines import build_engine
 from fairseq_shard_plugin.launch_env import ensure_process_group, uses_cuda
 from fairseq_shard_plugin.local_shards import LocalShards
-from fairseq_shard_plugin.memory import StepMemoryProbe, storage_bytes
+from fairseq_shard_plugin.memory import StepMemoryProbe, storage_bytes, watch_offloaded_state
 from fairseq_shard_plugin.memory_metrics import log_step_memory
 from fairseq_shard_plugin.options import sharding_options
 from fairseq_shard_plugin.precision import (
@@ -34,7 +34,11 @@ from fairseq_shard_plugin.precision import (
     compute_dtype,
     fp16_loss_scaler,
 )
-from fairseq_shard_plugin.validation import ShardingConfigError, check_sharded_config
+from fairseq_shard_plugin.validation import (
+    ShardingConfigError,
+    check_sharded_config,
+    shard_group_size,
+)
 from fairseq_shard_plugin.wrap_policy import build_plan
 
 logger = logging.getLogger(__name__)
@@ -57,6 +61,21 @@ def _without_16_bit_flags(common_cfg: Any) -> Iterator[None]:
             common_cfg[flag] = value
 
 
+@contextlib.contextmanager
+def _offload_hidden(trainer: Any, dist_cfg: Any) -> Iterator[None]:
+    """Under ``--cpu-offload``, keep fairseq's Trainer constructor from refusing the flag
+    (it requires its own fairscale path) and from moving the model to the device: FSDP has
+    placed it already, with the shards on CPU, and ``.to(device)`` would move them back."""
+    offload = bool(dist_cfg.cpu_offload)
+    dist_cfg.cpu_offload = False
+    trainer._placed_by_fsdp = offload
+    try:
+        yield
+    finally:
+        dist_cfg.cpu_offload = offload
+        trainer._placed_by_fsdp = False
+
+
 class ShardedTrainer(Trainer):
     """Trainer for ``--ddp-backend fully_sharded`` with the plugin loaded."""
 
@@ -70,6 +89,8 @@ class ShardedTrainer(Trainer):
         self.engine = build_engine(
             self.sharding_options.shard_engine, use_cuda, self.compute_dtype,
             self.sharding_options.reduce_in_16_bit, cfg.model,
+            shard_group_size(self.sharding_options, dist.get_world_size()),
+            bool(cfg.distributed_training.cpu_offload),
         )
         sharded_model = self.engine.shard(model, self.sharding_plan)
         if self.compute_dtype is not None:
@@ -87,11 +108,16 @@ class ShardedTrainer(Trainer):
         # fairseq's rank-0 broadcast would re-pickle the OmegaConf config, which
         # weights_only loading (rightly) refuses on the receiving ranks.
         cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
-        with _without_16_bit_flags(cfg.common):
+        self.offload = bool(cfg.distributed_training.cpu_offload)
+        with _without_16_bit_flags(cfg.common), _offload_hidden(self, cfg.distributed_training):
             super().__init__(cfg, task, sharded_model, criterion, quantizer)
+        if self.offload:  # fairseq's constructor left placement to FSDP (see _offload_hidden)
+            self._criterion = self._criterion.to(device=self.device)
         self._memory_probe = (
             None if self.sharding_options.no_memory_report else StepMemoryProbe(self.device)
         )
+        if self.offload and self._memory_probe is not None and self.device.type == "cpu":
+            watch_offloaded_state(self._memory_probe, self._model.parameters())
 
     # fairseq's is_fsdp branches call fairscale-only APIs (flat-parameter optimizer state,
     # DistributedFairseqModel's fairscale assertion, .cuda() in norm aggregation); each
@@ -103,7 +129,8 @@ class ShardedTrainer(Trainer):
     @property
     def use_distributed_wrapper(self) -> bool:
         # FSDP reduce-scatters gradients in backward: no DDP-style wrapper around the model.
-        return False
+        # True only inside fairseq's constructor under --cpu-offload (see _offload_hidden).
+        return getattr(self, "_placed_by_fsdp", False)
 
     # Read by integration hook 5: fairseq's copies to checkpoint_last/best become atomic.
     writes_checkpoints_atomically = True
@@ -179,12 +206,17 @@ class ShardedTrainer(Trainer):
     def train_step(self, samples: Any, raise_oom: bool = False) -> Any:
         if self._memory_probe is None:
             return super().train_step(samples, raise_oom)
-        self._memory_probe.start(self._resident_tensors())
+        if self.offload:  # model state lives on the host: not accelerator memory
+            buffers = chain(self._model.buffers(), self._criterion.buffers())
+            self._memory_probe.start(buffers, host=self._model_state_tensors())
+        else:
+            self._memory_probe.start(self._resident_tensors())
         try:
             logging_output = super().train_step(samples, raise_oom)
         finally:
             step_memory = self._memory_probe.stop()
-        log_step_memory(step_memory, storage_bytes(self._model_state_tensors()), self.device)
+        log_step_memory(step_memory, storage_bytes(self._model_state_tensors()), self.device,
+                        offloaded=self.offload)
         return logging_output
 
     def _trainable_params(self) -> list[torch.nn.Parameter]:

@@ -1,0 +1,202 @@
+"""CPU offload and hybrid sharding in real fairseq-train runs on gloo CPU ranks.
+
+Hybrid: two "nodes" on this machine (two torchrun invocations on loopback, 2 ranks each)
+against one 4-rank fully sharded run. Offload: 2 ranks with and without ``--cpu-offload``.
+Node sizes and Slurm's variables are checked as plain functions of an environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.harness import (
+    BIN,
+    PLUGIN_DIR,
+    REPO,
+    RunResult,
+    free_port,
+    parse_logs,
+    run_training,
+    tool,
+    training_args,
+    transformer_args,
+)
+from fairseq_shard_plugin.launch_env import first_slurm_host, ranks_per_node, slurm_as_torchrun
+from fairseq_shard_plugin.options import ShardingConfig
+from fairseq_shard_plugin.validation import ShardingConfigError, shard_group_size
+
+TINY = transformer_args(dim=64, ffn=128, layers=2)
+UPDATES = 6
+OFFLOAD_UPDATES = 4
+CHECKSUMS = REPO / "tests" / "helpers" / "train_with_checksums.py"
+
+
+def sharded_args(corpus: Path, save_dir: Path, updates: int = UPDATES) -> list[str]:
+    return training_args(corpus, save_dir, updates) + TINY + [
+        "--task", "sharded_translation", "--no-epoch-checkpoints", "--disable-validation"]
+
+
+def relative_difference(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def run_two_nodes(args: list[str], checksum_dir: Path) -> RunResult:
+    """Two torchrun invocations (node ranks 0 and 1, 2 ranks each) on loopback."""
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [tool("torchrun"), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node",
+             "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+             str(CHECKSUMS), str(checksum_dir), *args, "--user-dir", str(PLUGIN_DIR),
+             "--ddp-backend", "fully_sharded", "--shard-strategy", "hybrid"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    for node, output in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, output[-6000:]
+    return RunResult(0, outputs[0], parse_logs(outputs[0]))
+
+
+@pytest.fixture(scope="module")
+def full_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[RunResult, Path]:
+    save_dir = tmp_path_factory.mktemp("full4")
+    return run_training(sharded_args(corpus, save_dir), nproc=4, plugin=True), save_dir
+
+
+@pytest.fixture(scope="module")
+def hybrid_run(
+    corpus: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[RunResult, Path, Path]:
+    save_dir, checksums = tmp_path_factory.mktemp("hybrid"), tmp_path_factory.mktemp("sums")
+    return run_two_nodes(sharded_args(corpus, save_dir), checksums), save_dir, checksums
+
+
+def test_hybrid_replicas_hold_identical_shards_after_every_update(
+    hybrid_run: tuple[RunResult, Path, Path],
+) -> None:
+    _, _, checksums = hybrid_run
+    ranks = [[json.loads(line) for line in (checksums / f"rank{rank}.jsonl").open()]
+             for rank in range(4)]
+    assert [entry["update"] for entry in ranks[0]] == list(range(1, UPDATES + 1))
+    for step in range(UPDATES):
+        digests = [ranks[rank][step]["sha256"] for rank in range(4)]
+        # mesh (replicate, shard): node 0 holds ranks 0, 1; node 1 ranks 2, 3
+        assert digests[0] == digests[2] and digests[1] == digests[3], step
+        assert digests[0] != digests[1]  # two different shards, not one full copy
+
+
+def test_hybrid_loss_and_norm_match_four_rank_full_sharding(
+    hybrid_run: tuple[RunResult, Path, Path], full_run: tuple[RunResult, Path]
+) -> None:
+    hybrid, full = hybrid_run[0], full_run[0]
+    for key in ("loss", "gnorm"):  # a double-counted replica would inflate gnorm by sqrt(2)
+        hybrid_series, full_series = hybrid.series("train_inner", key), full.series(
+            "train_inner", key)
+        assert len(hybrid_series) == len(full_series) == UPDATES
+        assert relative_difference(hybrid_series, full_series) <= 1e-4, key
+    assert hybrid.series("train_inner", "loss")[-1] < hybrid.series("train_inner", "loss")[0]
+
+
+def test_hybrid_checkpoint_holds_the_full_model(
+    hybrid_run: tuple[RunResult, Path, Path], full_run: tuple[RunResult, Path]
+) -> None:
+    hybrid = torch.load(hybrid_run[1] / "checkpoint_last.pt", weights_only=True)
+    full = torch.load(full_run[1] / "checkpoint_last.pt", weights_only=True)
+    assert hybrid["model"].keys() == full["model"].keys()
+    for name, tensor in full["model"].items():
+        assert hybrid["model"][name].shape == tensor.shape
+        torch.testing.assert_close(hybrid["model"][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def offload_pair(
+    corpus: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[RunResult, RunResult]:
+    save_dir = tmp_path_factory.mktemp("offload")
+    args = sharded_args(corpus, save_dir, OFFLOAD_UPDATES) + ["--no-save"]
+    return (run_training(args + ["--cpu-offload"], nproc=2, plugin=True),
+            run_training(args, nproc=2, plugin=True))
+
+
+def test_offloaded_run_reaches_the_same_loss(offload_pair: tuple[RunResult, RunResult]) -> None:
+    offloaded, resident = offload_pair
+    for key in ("loss", "gnorm"):
+        series = offloaded.series("train_inner", key)
+        assert len(series) == OFFLOAD_UPDATES
+        assert relative_difference(series, resident.series("train_inner", key)) <= 1e-6, key
+
+
+def test_offload_lowers_device_memory_by_at_least_the_optimizer_state(
+    offload_pair: tuple[RunResult, RunResult],
+) -> None:
+    offloaded, resident = offload_pair
+    assert "device_mem_gb" not in resident.logs["train_inner"][0]
+    device = offloaded.series("train_inner", "device_mem_gb")
+    peak = resident.series("train_inner", "peak_mem_gb")
+    state = resident.series("train_inner", "state_mem_gb")  # params + grads + Adam (2x params)
+    # From the second update on the optimizer state exists for the whole step.
+    for update in range(1, OFFLOAD_UPDATES):
+        optimizer_state = state[update] / 2
+        assert peak[update] - device[update] >= optimizer_state, update
+    # the host-side state itself is still there, and still 1/N
+    assert offloaded.series("train_inner", "state_mem_gb") == state
+
+
+def test_node_size_comes_from_the_launcher() -> None:
+    assert ranks_per_node({"LOCAL_WORLD_SIZE": "8", "SLURM_NTASKS_PER_NODE": "4"}) == 8
+    assert ranks_per_node({"SLURM_NTASKS_PER_NODE": "4", "SLURM_GPUS_ON_NODE": "8"}) == 4
+    assert ranks_per_node({"SLURM_NTASKS_PER_NODE": "1", "SLURM_GPUS_ON_NODE": "8"}) == 8
+    assert ranks_per_node({}) is None
+    hybrid = ShardingConfig(shard_strategy="hybrid")
+    assert shard_group_size(hybrid, 16, {"LOCAL_WORLD_SIZE": "8"}) == 8
+    assert shard_group_size(ShardingConfig(shard_strategy="hybrid", shard_group_size=4), 16,
+                            {"LOCAL_WORLD_SIZE": "8"}) == 4
+    assert shard_group_size(ShardingConfig(), 16, {"LOCAL_WORLD_SIZE": "8"}) == 16
+
+
+@pytest.mark.parametrize(
+    ("world", "environ", "message"),
+    [
+        (6, {"LOCAL_WORLD_SIZE": "4"}, "world size 6 is not a multiple of 4"),
+        (4, {"LOCAL_WORLD_SIZE": "4"}, "needs more than one node"),
+        (4, {}, "give --shard-group-size"),
+    ],
+)
+def test_unworkable_hybrid_layouts_are_refused(
+    world: int, environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ShardingConfigError, match=message) as error:
+        shard_group_size(ShardingConfig(shard_strategy="hybrid"), world, environ)
+    assert "\n" not in str(error.value) and "--shard-" in str(error.value)
+
+
+def test_ranks_started_by_srun_get_torchruns_variables() -> None:
+    assert first_slurm_host("gpu[07-09,12],cpu1") == "gpu07"
+    assert first_slurm_host("node5,node6") == "node5"
+    assert first_slurm_host("rack[2-3]-n[01-04]") == "rack2-n01"
+    srun = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+            "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[07-10]",
+            "SLURM_TASKS_PER_NODE": "2(x4)", "SLURM_JOB_ID": "4242"}
+    assert slurm_as_torchrun(srun, port=29500) == {
+        "MASTER_ADDR": "gpu07", "MASTER_PORT": "29500", "WORLD_SIZE": "8", "RANK": "5",
+        "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    # without --distributed-port every rank derives the same port from the job id
+    assert slurm_as_torchrun(srun, port=-1)["MASTER_PORT"] == str(20000 + 4242)
+    # torchrun under srun: its own variables win; one task per node with several GPUs is
+    # fairseq's own Slurm mode (it spawns a process per GPU); a single task is no job
+    assert slurm_as_torchrun(dict(srun, MASTER_ADDR="a", MASTER_PORT="1", WORLD_SIZE="8",
+                                  RANK="5"), port=1) == {}
+    one_per_node = dict(srun, SLURM_TASKS_PER_NODE="1(x8)")
+    assert slurm_as_torchrun(one_per_node, port=1, cuda_devices=8) == {}
+    assert slurm_as_torchrun(one_per_node, port=1)["LOCAL_WORLD_SIZE"] == "1"
+    assert slurm_as_torchrun(dict(srun, SLURM_NTASKS="1"), port=1) == {}
