@@ -28,6 +28,7 @@ from benchmarks.harness import (
     transformer_args,
 )
 from fairseq_shard_plugin.launch_env import first_slurm_host, ranks_per_node, slurm_as_torchrun
+from fairseq_shard_plugin.memory import LiveTensorMeter
 from fairseq_shard_plugin.options import ShardingConfig
 from fairseq_shard_plugin.validation import ShardingConfigError, shard_group_size
 
@@ -200,3 +201,18 @@ def test_ranks_started_by_srun_get_torchruns_variables() -> None:
     assert slurm_as_torchrun(one_per_node, port=1, cuda_devices=8) == {}
     assert slurm_as_torchrun(one_per_node, port=1)["LOCAL_WORLD_SIZE"] == "1"
     assert slurm_as_torchrun(dict(srun, SLURM_NTASKS="1"), port=1) == {}
+
+
+def test_meter_leaves_host_side_storages_out_of_the_device_peak() -> None:
+    shard = torch.zeros(1000)  # 4,000 B, offloaded from the start
+    with LiveTensorMeter([], host=[shard]) as meter:
+        activation = torch.ones(2000)  # 8,000 B on the device
+        grad = activation[:500] * 2  # 2,000 B, reduced, then copied to the host
+        meter.mark_host(grad)
+        del activation
+        meter.host_phase = True  # an optimizer step on the host
+        state = torch.zeros_like(shard)
+        meter.host_phase = False
+    assert meter.peak_bytes == 4000 + 8000 + 2000  # before the activation was freed
+    assert meter.device_peak_bytes == 8000 + 2000
+    assert meter.host_bytes == 4000 + 2000 + 4000 and state.numel() == grad.numel() * 2
