@@ -1,5 +1,5 @@
-"""GPU check on one CUDA device: the plugin's FSDP2 engine in fp16 against stock fairseq's
-own ``--ddp-backend fully_sharded`` (fairscale) path, same model, data and seed.
+"""GPU check on one CUDA device: the plugin's FSDP2 and fairscale engines in fp16 against
+stock fairseq's own ``--ddp-backend fully_sharded`` (fairscale) path, same model, data, seed.
 
 Each run is measured by ``fairseq-shard-measure-train`` (CUDA peak allocated and reserved)
 and its loss read from the log. Sized to finish in about 5 minutes on one H200.
@@ -14,8 +14,11 @@ from fairseq_shard_plugin.synthetic_corpus import make_corpus
 
 GIB = 1024**3
 MODEL = transformer_args(dim=1024, ffn=4096, layers=6, heads=16)
+RUN_TIMEOUT = 150  # seconds per run: four runs must fit the script's 480 s
 RUNS = [
     ("stock fairseq fully_sharded (fairscale), fp16", False, ["--fp16"]),
+    ("plugin fairscale engine, fp16", True,
+     ["--fp16", "--task", "sharded_translation", "--shard-engine", "fairscale"]),
     ("plugin fsdp2, fp16", True, ["--fp16"]),
     ("plugin fsdp2, fp16, chunked loss, activation checkpointing", True,
      ["--fp16", "--criterion", "chunked_label_smoothed_cross_entropy",
@@ -32,7 +35,8 @@ def main() -> None:
         args = training_args(data, work / tag, max_update=50, max_tokens=4096,
                              cpu=False) + MODEL + flags + ["--no-save", "--disable-validation"]
         run = run_training(args, nproc=1, plugin=plugin, measure_dir=work / tag / "memory",
-                           stock_backend="fully_sharded", cuda=True, timeout=900, check=False)
+                           stock_backend="fully_sharded", cuda=True, timeout=RUN_TIMEOUT,
+                           check=False)
         memory = run.memory[0] if run.memory else {}
         rows.append({
             "run": name,

@@ -115,6 +115,22 @@ def test_grad_norm_and_optimizer_state_round_trips_over_flat_shards(
             assert state["gathered_is_full"] and state["reloaded_is_local_slice"]
 
 
+@pytest.mark.parametrize(("variant", "tolerance"), [
+    ("fp32", 1e-5), ("fp16", 1e-3), ("bf16_16bit_reduce_root_kept_checkpointed", 1e-3)])
+def test_sharded_step_matches_the_unsharded_model(
+    reports: list[dict], variant: str, tolerance: float
+) -> None:
+    """One batch, with fairscale's CUDA stream calls as CPU no-ops (tests/helpers/cpu_streams):
+    the tied projection, 16-bit compute, resharding and re-gathering give the unsharded
+    model's loss and gradient norm."""
+    for report in reports:
+        step = report[variant]["step"]
+        for attempt in (0, 1):
+            assert step[f"loss{attempt}"] == pytest.approx(step["reference_loss"], rel=tolerance)
+            assert step[f"norm{attempt}"] == pytest.approx(step["reference_norm"], rel=tolerance)
+        assert (step["loss0"], step["norm0"]) == (step["loss1"], step["norm1"])
+
+
 def test_refused_without_cuda_before_training(corpus: Path, tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the refusal needs a CPU-only run")

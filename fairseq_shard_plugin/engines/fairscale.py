@@ -21,6 +21,7 @@ on load by :class:`ShardedRoot`, so checkpoints keep fairseq's standard keys.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,12 @@ class ShardedRoot(FullyShardedDataParallel):
     def load_state_dict(self, state_dict: Any, strict: bool = True, model_cfg: Any = None) -> Any:
         state = {k: v for k, v in state_dict.items() if k not in self.tied_keys}
         return super().load_state_dict(state, strict)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
+        """fairseq enters this for all but the last micro-batch of ``--update-freq``; under
+        fairscale every rank would then hold full-size gradients until the last one. The
+        shards reduce-scatter every micro-batch instead (fairseq's own choice for FSDP)."""
+        return contextlib.nullcontext()
 
 
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:

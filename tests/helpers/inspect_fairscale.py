@@ -5,8 +5,10 @@ VARIANTS_JSON maps a variant name to extra fairseq flags. For each variant a fre
 is built and sharded with ``--shard-engine fairscale`` (``compute_device=cpu``: fairscale
 constructs on CPU, it only trains on CUDA). Writes OUT_DIR/rank{R}.json with, per FSDP
 instance, its flags and whether this rank's flat shard is exactly its 1/N slice of the
-unsharded weights; the tie of the vocabulary; activation checkpointing; and round trips
-of the gradient norm and of the checkpoint (optimizer-state) gathering, on known values.
+unsharded weights; the tie of the vocabulary; activation checkpointing; round trips
+of the gradient norm and of the checkpoint (optimizer-state) gathering, on known values;
+and one forward/backward against the unsharded model, with fairscale's CUDA stream calls
+made no-ops (``cpu_streams``: CPUs have one stream).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from cpu_streams import emulate_cuda_streams_on_cpu
 from fairscale.nn.data_parallel import FullyShardedDataParallel
 from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
@@ -49,6 +52,8 @@ def inspect(fairseq_args: list[str]) -> dict[str, Any]:
     args = options.parse_args_and_arch(options.get_training_parser(), fairseq_args)
     cfg = convert_namespace_to_omegaconf(args)
     task = tasks.setup_task(cfg.task)
+    torch.manual_seed(0)
+    reference = task.build_model(cfg.model)
     torch.manual_seed(0)
     model = task.build_model(cfg.model)
     full = {id(p): p.detach().clone() for p in model.parameters()}
@@ -98,6 +103,7 @@ def inspect(fairseq_args: list[str]) -> dict[str, Any]:
     }
     params = list(root.parameters())
     unique = sum(t.numel() for t in full.values())
+    step = _step_against_reference(task, cfg, reference, root)
     return {
         "layers_are_units": all(
             any(isinstance(f, FullyShardedDataParallel) and f.module.module is layer
@@ -108,7 +114,33 @@ def inspect(fairseq_args: list[str]) -> dict[str, Any]:
         "held_fraction": sum(p.numel() for p in params) / unique,
         "grad_norm": _grad_norm_round_trip(params),
         "optimizer_state": _optimizer_state_round_trip(params),
+        "step": step,
     }
+
+
+def _step_against_reference(task: Any, cfg: Any, reference: torch.nn.Module,
+                            root: torch.nn.Module) -> dict[str, float]:
+    """Loss and gradient norm of one batch (the same on every rank, so the averaged
+    sharded gradient equals the unsharded one), sharded vs the unsharded fp32 model;
+    twice, so the second forward re-gathers after resharding."""
+    task.load_dataset("train")
+    criterion = task.build_criterion(cfg.criterion)
+    batches = task.get_batch_iterator(task.dataset("train"), max_tokens=256, seed=1)
+    sample = next(batches.next_epoch_itr(shuffle=False))
+    loss, _, _ = criterion(reference, sample)
+    loss.backward()
+    result = {"reference_loss": loss.item(), "reference_norm": torch.linalg.vector_norm(
+        torch.stack([p.grad.norm() for p in reference.parameters() if p.grad is not None])
+    ).item()}
+    for attempt in range(2):
+        loss, _, _ = criterion(root, sample)
+        loss.backward()
+        params = list(root.parameters())
+        result[f"loss{attempt}"] = loss.item()
+        result[f"norm{attempt}"] = engine.global_grad_norm(params, torch.device("cpu")).item()
+        for param in params:
+            param.grad = None
+    return result
 
 
 def _known_full(param: torch.Tensor, salt: int) -> torch.Tensor:
@@ -150,6 +182,7 @@ def _optimizer_state_round_trip(params: list[torch.Tensor]) -> dict[str, bool]:
 
 def main() -> None:
     out_dir, variants, fairseq_args = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3:]
+    emulate_cuda_streams_on_cpu()
     dist.init_process_group("gloo")
     report = {"world": dist.get_world_size()}
     for name, extra in variants.items():
