@@ -20,6 +20,7 @@ setup(
         "console_scripts": [
             "fairseq-shard-synthetic-data=fairseq_shard_plugin.synthetic_corpus:main",
             "fairseq-shard-measure-train=fairseq_shard_plugin.measured_run:main",
+            "fairseq-shard-consolidate=fairseq_shard_plugin.consolidate:main",
         ],
     },
 )

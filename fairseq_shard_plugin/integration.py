@@ -20,6 +20,8 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    fairseq's parser implies from ``--bf16``, rejects unworkable sharded configurations
    with a one-line error before any process group or data is touched, and turns a
    checkpoint that cannot be loaded into a one-line error naming the file and the mismatch.
+   Under ``--export-consolidated PATH`` it also runs, after training on rank 0, the export
+   of the final ``checkpoint_last.pt`` (fairseq's ``main`` has no end-of-training hook).
 5. ``checkpoint_utils.save_checkpoint``: fairseq writes the first checkpoint name through
    ``Trainer.save_checkpoint`` (atomic in the plugin's trainer) and then copies it to the
    other names (``checkpoint_last.pt``, ``checkpoint_best.pt``) with
@@ -34,6 +36,8 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -49,6 +53,7 @@ from fairseq_shard_plugin.atomic_files import copy_atomically
 from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError
 from fairseq_shard_plugin.launch_env import apply_torchrun_environment
 from fairseq_shard_plugin.memory_metrics import MaxMeter
+from fairseq_shard_plugin.options import sharding_options
 from fairseq_shard_plugin.precision import untie_bf16_from_tpu
 from fairseq_shard_plugin.validation import (
     ShardingConfigError,
@@ -82,6 +87,23 @@ def _select_trainer(stock_trainer: type) -> Callable[..., Any]:
     return make_trainer
 
 
+def _then_export(main: Callable[..., Any]) -> Callable[..., Any]:
+    """``main`` (the training), then ``--export-consolidated`` on rank 0."""
+
+    def train_then_export(cfg: Any, **kwargs: Any) -> Any:
+        result = main(cfg, **kwargs)
+        target = sharding_options(cfg.task).export_consolidated
+        if target and cfg.distributed_training.distributed_rank == 0:
+            from fairseq_shard_plugin.consolidate import export_consolidated
+
+            last = f"checkpoint_last{cfg.checkpoint.checkpoint_suffix}.pt"
+            written = export_consolidated(os.path.join(cfg.checkpoint.save_dir, last), target)
+            logging.getLogger(__name__).info(f"exported the final model to {written}")
+        return result
+
+    return train_then_export
+
+
 def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[..., Any]:
     def call_main(cfg: Any, main: Callable[..., Any], **kwargs: Any) -> Any:
         apply_torchrun_environment(cfg)
@@ -90,7 +112,7 @@ def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[
         untie_bf16_from_tpu(cfg)
         try:
             check_sharded_config(cfg)
-            return stock_call_main(cfg, main, **kwargs)
+            return stock_call_main(cfg, _then_export(main), **kwargs)
         except (ShardingConfigError, CheckpointLoadError) as error:
             sys.exit(f"fairseq-shard-plugin: error: {error}")
 

@@ -8,7 +8,7 @@ No ``from __future__ import annotations`` here: fairseq reads the field types at
 
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
@@ -60,6 +60,13 @@ class ShardingConfig(FairseqDataclass):
         default=False,
         metadata={
             "help": "do not log per-step peak memory (on CPU the live-tensor meter costs time)"
+        },
+    )
+    export_consolidated: Optional[str] = field(  # noqa: UP045 (fairseq parses Optional[])
+        default=None,
+        metadata={
+            "help": "at the end of training, also write the final model as one standard "
+            "fairseq checkpoint (weights only) to this path, for fairseq-generate --path"
         },
     )
 

@@ -70,6 +70,12 @@ def check_sharded_config(cfg: Any) -> None:
                 "--shard-strategy hybrid needs --shard-engine fsdp2 (a 2-D device mesh)"
             )
         shard_group_size(options, dist_cfg.distributed_world_size)
+    if options.export_consolidated and (cfg.checkpoint.no_save
+                                        or cfg.checkpoint.no_last_checkpoints):
+        raise ShardingConfigError(
+            "--export-consolidated exports the final checkpoint_last.pt: remove --no-save "
+            "and --no-last-checkpoints (or --export-consolidated)"
+        )
     if dist_cfg.use_sharded_state:
         raise ShardingConfigError(
             "--use-sharded-state is fairscale's checkpoint format; the plugin writes "

@@ -1,0 +1,100 @@
+"""``fairseq-shard-consolidate``: a standard fairseq checkpoint for inference.
+
+Reads a training checkpoint of a sharded run (a save dir, meaning its
+``checkpoint_last.pt``, or a checkpoint file), drops the optimizer state and writes the
+full model weights, optionally cast to fp16/bf16, as an ordinary fairseq checkpoint that
+``fairseq-generate --path`` and ``TransformerModel.from_pretrained`` load (with the plugin
+as ``--user-dir``, which allows the checkpoint's config types under ``weights_only``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fairseq_shard_plugin.atomic_files import write_atomically
+from fairseq_shard_plugin.safe_loading import allow_fairseq_checkpoint_types
+
+_DTYPES = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class ConsolidateError(ValueError):
+    """An input that cannot be consolidated; the message names the path and the problem."""
+
+
+def resolve_checkpoint(source: str | Path) -> Path:
+    """A checkpoint file, or a save dir's ``checkpoint_last.pt``."""
+    path = Path(source)
+    if path.is_dir():
+        path = path / "checkpoint_last.pt"
+    if not path.is_file():
+        raise ConsolidateError(f"{path}: no such checkpoint (give a save dir or a .pt file)")
+    return path
+
+
+def read_full_state(path: Path) -> dict[str, Any]:
+    """The checkpoint's full state (CPU tensors), read with ``weights_only=True``."""
+    allow_fairseq_checkpoint_types()
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:
+        size = path.stat().st_size
+        raise ConsolidateError(
+            f"{path}: unreadable checkpoint ({size} bytes; truncated or corrupted?): "
+            f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+        ) from error
+    if not isinstance(state, dict) or "model" not in state or "cfg" not in state:
+        raise ConsolidateError(f"{path}: not a fairseq checkpoint (no 'model' and 'cfg')")
+    return state
+
+
+def inference_state(state: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
+    """The checkpoint without optimizer state; floating weights cast to ``dtype`` if given."""
+    exported = {key: value for key, value in state.items() if key != "last_optimizer_state"}
+    exported["model"] = {
+        name: (tensor.to(dtype) if dtype is not None and tensor.is_floating_point()
+               else tensor).clone()
+        for name, tensor in state["model"].items()
+    }
+    return exported
+
+
+def export_consolidated(
+    source: str | Path, destination: str | Path, dtype: torch.dtype | None = None
+) -> Path:
+    """Write the inference checkpoint of ``source`` to ``destination`` (atomically)."""
+    state = inference_state(read_full_state(resolve_checkpoint(source)), dtype)
+    destination = Path(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(destination, lambda out: torch.save(state, out))
+    return destination
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="fairseq-shard-consolidate",
+        description="Write a standard fairseq checkpoint (model weights, no optimizer state) "
+        "from a sharded run's checkpoint, for fairseq-generate and from_pretrained.",
+    )
+    parser.add_argument("source", help="save dir (uses checkpoint_last.pt) or checkpoint file")
+    parser.add_argument("out", help="the consolidated checkpoint to write (e.g. model.pt)")
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", dest="dtype", action="store_const", const="fp16",
+                           help="store floating-point weights in fp16")
+    precision.add_argument("--bf16", dest="dtype", action="store_const", const="bf16",
+                           help="store floating-point weights in bf16")
+    args = parser.parse_args(argv)
+    try:
+        written = export_consolidated(args.source, args.out, _DTYPES[args.dtype])
+    except ConsolidateError as error:
+        sys.exit(f"fairseq-shard-consolidate: error: {error}")
+    print(f"wrote {written}")
+
+
+if __name__ == "__main__":
+    main()
