@@ -119,14 +119,38 @@ def test_hybrid_checkpoint_holds_the_full_model(
         torch.testing.assert_close(hybrid["model"][name], tensor, rtol=1e-4, atol=1e-5)
 
 
+def run_as_srun(args: list[str], ranks: int) -> RunResult:
+    """Ranks started the way ``srun --ntasks-per-node N fairseq-train ...`` starts them: one
+    process per rank, only Slurm's variables (no torchrun), on one node here."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT",
+                                                             "WORLD_SIZE", "RANK")}
+    env.update(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1", SLURM_NTASKS=str(ranks), SLURM_NODEID="0",
+               SLURM_JOB_NODELIST="127.0.0.1", SLURM_TASKS_PER_NODE=str(ranks),
+               SLURM_JOB_ID="1")
+    command = [tool("fairseq-train"), *args, "--user-dir", str(PLUGIN_DIR),
+               "--ddp-backend", "fully_sharded", "--distributed-port", str(free_port())]
+    tasks = [
+        subprocess.Popen(command, env=dict(env, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+        for rank in range(ranks)
+    ]
+    outputs = [task.communicate(timeout=600)[0] for task in tasks]
+    for task, output in zip(tasks, outputs, strict=True):
+        assert task.returncode == 0, output[-6000:]
+    return RunResult(0, outputs[0], parse_logs(outputs[0]))
+
+
 @pytest.fixture(scope="module")
 def offload_pair(
     corpus: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[RunResult, RunResult]:
+    """2 ranks under torchrun with ``--cpu-offload``; the same 2 ranks without offload,
+    started the way srun starts them (so that run also checks the Slurm launch)."""
     save_dir = tmp_path_factory.mktemp("offload")
     args = sharded_args(corpus, save_dir, OFFLOAD_UPDATES) + ["--no-save"]
     return (run_training(args + ["--cpu-offload"], nproc=2, plugin=True),
-            run_training(args, nproc=2, plugin=True))
+            run_as_srun(args, ranks=2))
 
 
 def test_offloaded_run_reaches_the_same_loss(offload_pair: tuple[RunResult, RunResult]) -> None:
@@ -135,6 +159,14 @@ def test_offloaded_run_reaches_the_same_loss(offload_pair: tuple[RunResult, RunR
         series = offloaded.series("train_inner", key)
         assert len(series) == OFFLOAD_UPDATES
         assert relative_difference(series, resident.series("train_inner", key)) <= 1e-6, key
+
+
+def test_ranks_started_by_srun_train_as_one_job(
+    offload_pair: tuple[RunResult, RunResult],
+) -> None:
+    _, srun = offload_pair
+    assert "and the root over 2 ranks" in srun.output
+    assert len(srun.series("train_inner", "loss")) == OFFLOAD_UPDATES  # one log: one job
 
 
 def test_offload_lowers_device_memory_by_at_least_the_optimizer_state(
