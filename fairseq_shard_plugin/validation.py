@@ -115,6 +115,7 @@ def check_fairscale_engine(cfg: Any) -> None:
     unsupported = {
         "--cpu-offload": cfg.distributed_training.cpu_offload,
         "--shard-strategy hybrid": getattr(cfg.task, "shard_strategy", "full") == "hybrid",
+        "--checkpoint-format sharded": getattr(cfg.task, "checkpoint_format", "full") == "sharded",
         "--criterion chunked_label_smoothed_cross_entropy":
             getattr(cfg.criterion, "_name", None) == "chunked_label_smoothed_cross_entropy",
     }
