@@ -106,16 +106,9 @@ def check_fairscale_engine(cfg: Any) -> None:
     """``--shard-engine fairscale`` runs on CUDA streams, without the FSDP2-only features."""
     if getattr(cfg.task, "shard_engine", None) != "fairscale":
         return
-    if not uses_cuda(cfg):
-        reason = "--cpu was given" if cfg.common.cpu else "no CUDA device is available"
-        raise ShardingConfigError(
-            f"--shard-engine fairscale needs CUDA (fairscale FSDP runs on CUDA streams) and "
-            f"{reason}: use --shard-engine fsdp2"
-        )
     unsupported = {
         "--cpu-offload": cfg.distributed_training.cpu_offload,
         "--shard-strategy hybrid": getattr(cfg.task, "shard_strategy", "full") == "hybrid",
-        "--checkpoint-format sharded": getattr(cfg.task, "checkpoint_format", "full") == "sharded",
         "--criterion chunked_label_smoothed_cross_entropy":
             getattr(cfg.criterion, "_name", None) == "chunked_label_smoothed_cross_entropy",
     }
@@ -125,3 +118,9 @@ def check_fairscale_engine(cfg: Any) -> None:
                 f"{flag} is not supported with --shard-engine fairscale: use --shard-engine "
                 "fsdp2 (or drop it)"
             )
+    if not uses_cuda(cfg):
+        reason = "--cpu was given" if cfg.common.cpu else "no CUDA device is available"
+        raise ShardingConfigError(
+            f"--shard-engine fairscale needs CUDA (fairscale FSDP runs on CUDA streams) and "
+            f"{reason}: use --shard-engine fsdp2"
+        )
