@@ -69,7 +69,10 @@ def check_sharded_config(cfg: Any) -> None:
             raise ShardingConfigError(
                 "--shard-strategy hybrid needs --shard-engine fsdp2 (a 2-D device mesh)"
             )
-        shard_group_size(options, dist_cfg.distributed_world_size)
+        # under fairseq-hydra-train the world size is only known from torchrun here
+        world_size = (int(os.environ["WORLD_SIZE"]) if launched_by_torchrun()
+                      else dist_cfg.distributed_world_size)
+        shard_group_size(options, world_size)
     if options.export_consolidated and (cfg.checkpoint.no_save
                                         or cfg.checkpoint.no_last_checkpoints):
         raise ShardingConfigError(
