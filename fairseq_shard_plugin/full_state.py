@@ -14,6 +14,9 @@ def gather_full_state(state: Any) -> Any:
     A collective: every rank must call it on the same structure, in the same order.
     """
     if isinstance(state, DTensor):
+        if state.device.type != state.device_mesh.device_type:
+            # --cpu-offload on GPUs: CPU shards, gathered over the GPU mesh's NCCL group
+            state = state.to(state.device_mesh.device_type)
         return state.full_tensor().cpu()
     if isinstance(state, dict):
         return type(state)((key, gather_full_state(value)) for key, value in state.items())
