@@ -8,12 +8,15 @@ with the reason, where no CUDA device exists.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from fairseq import options
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from benchmarks.harness import (
     PLUGIN_DIR,
@@ -25,6 +28,7 @@ from benchmarks.harness import (
     transformer_args,
 )
 from fairseq_shard_plugin.safe_loading import allow_fairseq_checkpoint_types
+from fairseq_shard_plugin.validation import ShardingConfigError, check_fairscale_engine
 
 TINY = transformer_args(dim=64, ffn=128, layers=2)
 VARIANTS = {
@@ -129,6 +133,22 @@ def test_sharded_step_matches_the_unsharded_model(
             assert step[f"loss{attempt}"] == pytest.approx(step["reference_loss"], rel=tolerance)
             assert step[f"norm{attempt}"] == pytest.approx(step["reference_norm"], rel=tolerance)
         assert (step["loss0"], step["norm0"]) == (step["loss1"], step["norm1"])
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--cpu-offload"], "--cpu-offload is not supported with --shard-engine fairscale"),
+    (["--shard-strategy", "hybrid"], "--shard-strategy hybrid is not supported"),
+    (["--criterion", "chunked_label_smoothed_cross_entropy"],
+     "--criterion chunked_label_smoothed_cross_entropy is not supported"),
+    (["--cpu"], "--shard-engine fairscale needs CUDA (fairscale FSDP runs on CUDA streams) and "
+                "--cpu was given: use --shard-engine fsdp2"),
+])
+def test_fsdp2_only_flags_and_cpu_are_named(corpus: Path, flags: list[str], named: str) -> None:
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(corpus), *TINY, "--task", "sharded_translation", "--shard-engine", "fairscale",
+        "--ddp-backend", "fully_sharded", "--optimizer", "adam", *flags])
+    with pytest.raises(ShardingConfigError, match=re.escape(named)):
+        check_fairscale_engine(convert_namespace_to_omegaconf(args))
 
 
 def test_refused_without_cuda_before_training(corpus: Path, tmp_path: Path) -> None:
