@@ -95,8 +95,12 @@ def slurm_as_torchrun(
 def adopt_slurm_environment(
     cfg: Any, environ: os._Environ[str] | dict[str, str] = os.environ
 ) -> None:
-    """Give a rank started by ``srun`` torchrun's variables (written into ``environ``)."""
-    if cfg.distributed_training.distributed_init_method is not None:
+    """Give a rank started by ``srun`` torchrun's variables (written into ``environ``).
+
+    Sharded runs only: other runs keep fairseq's own Slurm initialisation.
+    """
+    dist_cfg = cfg.distributed_training
+    if dist_cfg.ddp_backend != "fully_sharded" or dist_cfg.distributed_init_method is not None:
         return
     cuda_devices = torch.cuda.device_count() if uses_cuda(cfg) else 0
     port = cfg.distributed_training.distributed_port
