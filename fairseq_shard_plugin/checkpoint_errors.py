@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,12 +28,23 @@ def describe_checkpoint_problem(
         size = Path(filename).stat().st_size if Path(filename).exists() else 0
         return (f"{filename}: unreadable checkpoint ({size} bytes; truncated or corrupted?): "
                 f"{_first_line(read_error)}; resume from another file with --restore-file")
+    shapes = {name: tuple(tensor.shape) for name, tensor in saved.items()}
+    problem = describe_shape_mismatch(filename, shapes, model_shapes)
+    if problem:
+        return problem
+    return f"{filename}: could not be loaded: {_first_line(error.__cause__ or error)}"
+
+
+def describe_shape_mismatch(
+    filename: str, saved: dict[str, tuple[int, ...]], model_shapes: dict[str, Any]
+) -> str | None:
+    """One line naming the first parameter whose name or shape differs, else None."""
     for name, shape in model_shapes.items():
-        if name in saved and tuple(saved[name].shape) != tuple(shape):
+        if name in saved and tuple(saved[name]) != tuple(shape):
             hint = " (a different vocabulary/dictionary?)" if "embed_tokens" in name else (
                 " (a different architecture?)")
             return (f"{filename}: does not match the model: {name} has shape "
-                    f"{list(saved[name].shape)} in the checkpoint and {list(shape)} in the "
+                    f"{list(saved[name])} in the checkpoint and {list(shape)} in the "
                     f"model{hint}")
     missing = sorted(set(model_shapes) - set(saved))
     unexpected = sorted(set(saved) - set(model_shapes))
@@ -40,4 +52,4 @@ def describe_checkpoint_problem(
         return (f"{filename}: does not match the model: {len(missing)} missing parameters "
                 f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]}); "
                 "check --arch and the layer counts")
-    return f"{filename}: could not be loaded: {_first_line(error.__cause__ or error)}"
+    return None

@@ -1,7 +1,8 @@
 """``fairseq-shard-consolidate``: a standard fairseq checkpoint for inference.
 
 Reads a training checkpoint of a sharded run (a save dir, meaning its
-``checkpoint_last.pt``, or a checkpoint file), drops the optimizer state and writes the
+``checkpoint_last.pt``, or a checkpoint file; full or ``--checkpoint-format sharded``,
+whose shards it gathers in one process), drops the optimizer state and writes the
 full model weights, optionally cast to fp16/bf16, as an ordinary fairseq checkpoint that
 ``fairseq-generate --path`` and ``TransformerModel.from_pretrained`` load (with the plugin
 as ``--user-dir``, which allows the checkpoint's config types under ``weights_only``).
@@ -18,6 +19,13 @@ from typing import Any
 import torch
 
 from fairseq_shard_plugin.atomic_files import write_atomically
+from fairseq_shard_plugin.checkpoint_sharded import (
+    SHARDED_KEY,
+    ShardedCheckpointError,
+    fill_tensors,
+    full_tensors,
+    is_sharded_index,
+)
 from fairseq_shard_plugin.safe_loading import allow_fairseq_checkpoint_types
 
 _DTYPES = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -48,6 +56,12 @@ def read_full_state(path: Path) -> dict[str, Any]:
             f"{path}: unreadable checkpoint ({size} bytes; truncated or corrupted?): "
             f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
         ) from error
+    if is_sharded_index(state):  # --checkpoint-format sharded: gather the DCP shards
+        try:
+            tensors = full_tensors(path, state)
+        except ShardedCheckpointError as error:
+            raise ConsolidateError(str(error)) from error
+        state = fill_tensors({k: v for k, v in state.items() if k != SHARDED_KEY}, tensors)
     if not isinstance(state, dict) or "model" not in state or "cfg" not in state:
         raise ConsolidateError(f"{path}: not a fairseq checkpoint (no 'model' and 'cfg')")
     return state

@@ -31,6 +31,14 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    function with its module's ``PathManager`` replaced by one whose local copies go
    through a temporary file and ``os.replace`` (``atomic_files``); everything else,
    including which names are written and which old ones are removed, stays fairseq's.
+   Afterwards the trainer's ``after_checkpoint_save`` runs on the saving rank (it deletes
+   shard directories of ``--checkpoint-format sharded`` that no name refers to any more).
+6. ``checkpoint_utils.load_checkpoint_to_cpu``: every fairseq loader (the Trainer's resume,
+   ``fairseq-generate``, ``from_pretrained``) reads checkpoints through it. A sharded
+   checkpoint's file is an index whose tensors live in a DCP directory
+   (``checkpoint_sharded``); the wrapper replaces those references by tensors: the
+   trainer's shards (collective, resharded to this world size) while the trainer loads,
+   full tensors read in one process otherwise. Full checkpoints pass through unchanged.
 """
 
 from __future__ import annotations
@@ -146,12 +154,52 @@ def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
         if not getattr(trainer, "writes_checkpoints_atomically", False):
             return stock_save(cfg, trainer, epoch_itr, val_loss)
         with _atomic_checkpoint_copies():
-            return stock_save(cfg, trainer, epoch_itr, val_loss)
+            saved = stock_save(cfg, trainer, epoch_itr, val_loss)
+        if trainer.should_save_checkpoint_on_current_rank and not cfg.no_save:
+            trainer.after_checkpoint_save()
+        return saved
 
     # fairseq keeps the best validation loss as an attribute of the module-level function
     # (``save_checkpoint.best``), looked up by name: it now lives on this wrapper.
     save_checkpoint.__wrapped__ = stock_save  # type: ignore[attr-defined]
     return save_checkpoint
+
+
+ShardedResolver = Callable[[str, dict[str, Any]], dict[str, Any]]
+_sharded_resolvers: list[ShardedResolver] = []
+
+
+def _full_tensors_of_index(path: str, index: dict[str, Any]) -> dict[str, Any]:
+    from fairseq_shard_plugin.checkpoint_sharded import SHARDED_KEY, fill_tensors, full_tensors
+
+    skeleton = {key: value for key, value in index.items() if key != SHARDED_KEY}
+    return fill_tensors(skeleton, full_tensors(path, index))
+
+
+@contextlib.contextmanager
+def resolving_sharded_checkpoints(resolver: ShardedResolver) -> Iterator[None]:
+    """While active, sharded checkpoints read through fairseq are resolved by ``resolver``
+    (the trainer's collective shard loader) instead of as full tensors (hook 6)."""
+    _sharded_resolvers.append(resolver)
+    try:
+        yield
+    finally:
+        _sharded_resolvers.pop()
+
+
+def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., Any]:
+    def load_checkpoint_to_cpu(path: str, arg_overrides: Any = None,
+                               load_on_all_ranks: bool = False) -> Any:
+        from fairseq_shard_plugin.checkpoint_sharded import is_sharded_index
+
+        state = stock_load(path, arg_overrides, load_on_all_ranks)
+        if not is_sharded_index(state):
+            return state
+        resolve = _sharded_resolvers[-1] if _sharded_resolvers else _full_tensors_of_index
+        return resolve(path, state)
+
+    load_checkpoint_to_cpu.__wrapped__ = stock_load  # type: ignore[attr-defined]
+    return load_checkpoint_to_cpu
 
 
 def _train_modules() -> list[Any]:
@@ -182,6 +230,9 @@ def install() -> None:
         module.Trainer = _select_trainer(module.Trainer)
         setattr(module, _INSTALLED_MARK, True)
     fairseq_meters.MaxMeter = MaxMeter
+    if not hasattr(checkpoint_utils.load_checkpoint_to_cpu, "__wrapped__"):
+        checkpoint_utils.load_checkpoint_to_cpu = _with_sharded_checkpoints(
+            checkpoint_utils.load_checkpoint_to_cpu)
     if not hasattr(checkpoint_utils.save_checkpoint, "__wrapped__"):
         checkpoint_utils.save_checkpoint = _with_atomic_copies(checkpoint_utils.save_checkpoint)
     if not hasattr(distributed_utils.call_main, "__wrapped__"):

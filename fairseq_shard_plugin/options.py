@@ -15,6 +15,7 @@ from fairseq.dataclass.utils import gen_parser_from_dataclass
 
 SHARD_ENGINES = ChoiceEnum(["fsdp2", "fairscale"])
 SHARD_STRATEGIES = ChoiceEnum(["full", "hybrid"])
+CHECKPOINT_FORMATS = ChoiceEnum(["full", "sharded"])
 
 
 @dataclass
@@ -60,6 +61,22 @@ class ShardingConfig(FairseqDataclass):
         default=False,
         metadata={
             "help": "do not log per-step peak memory (on CPU the live-tensor meter costs time)"
+        },
+    )
+    export_consolidated: Optional[str] = field(  # noqa: UP045 (fairseq parses Optional[])
+        default=None,
+        metadata={
+            "help": "at the end of training, also write the final model as one standard "
+            "fairseq checkpoint (weights only) to this path, for fairseq-generate --path"
+        },
+    )
+    checkpoint_format: CHECKPOINT_FORMATS = field(  # type: ignore[valid-type]
+        default="full",
+        metadata={
+            "help": "full: standard fairseq checkpoints (full tensors gathered to rank 0); "
+            "sharded: each rank writes its own shards (torch.distributed.checkpoint) under "
+            "checkpoint_shards/ and the usual names hold a small index; both resume on any "
+            "number of ranks and fairseq-shard-consolidate reads both"
         },
     )
     export_consolidated: Optional[str] = field(  # noqa: UP045 (fairseq parses Optional[])

@@ -21,8 +21,16 @@ from fairseq.trainer import Trainer
 from torch.distributed.tensor.experimental import implicit_replication
 
 from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError, describe_checkpoint_problem
-from fairseq_shard_plugin.checkpoint_files import save_full_checkpoint
+from fairseq_shard_plugin.checkpoint_files import (
+    after_save,
+    checkpoint_state,
+    read_sharded_index,
+    save_full_checkpoint,
+    sharded_state_loader,
+)
+from fairseq_shard_plugin.checkpoint_sharded import ShardedCheckpointError
 from fairseq_shard_plugin.engines import build_engine
+from fairseq_shard_plugin.integration import resolving_sharded_checkpoints
 from fairseq_shard_plugin.launch_env import ensure_process_group, uses_cuda
 from fairseq_shard_plugin.local_shards import LocalShards
 from fairseq_shard_plugin.memory import StepMemoryProbe, storage_bytes, watch_offloaded_state
@@ -177,8 +185,9 @@ class ShardedTrainer(Trainer):
         super().set_num_updates(num_updates)
 
     def state_dict(self) -> dict[str, Any]:
-        """A standard fairseq checkpoint: full (gathered) model and optimizer tensors."""
-        return self.engine.full_state(super().state_dict(), self.optimizer.optimizer)
+        """A standard fairseq checkpoint with full (gathered) model and optimizer tensors, or
+        under ``--checkpoint-format sharded`` an index of the shards just written (DCP)."""
+        return checkpoint_state(self, super().state_dict)
 
     def save_checkpoint(self, filename: str, extra_state: dict[str, Any]) -> str | None:
         """Write the checkpoint on the saving rank; a crash never leaves a half-written file."""
@@ -186,16 +195,31 @@ class ShardedTrainer(Trainer):
             return None
         return save_full_checkpoint(self, filename, extra_state)
 
+    def after_checkpoint_save(self) -> None:
+        """Called on the saving rank after fairseq's copies and removals (hook 5)."""
+        after_save(self)
+
     def load_checkpoint(self, filename: str, *args: Any, **kwargs: Any) -> Any:
         """Load a full checkpoint into the sharded model: each rank keeps its own slice.
 
         Anything that stops the load (a truncated file, another architecture or vocabulary)
         becomes one :class:`CheckpointLoadError` naming the file and the mismatch.
         """
+        reset_optimizer = bool(args[0] if args else kwargs.get("reset_optimizer", False))
         try:
-            with implicit_replication():
+            index = read_sharded_index(filename)
+            with implicit_replication(), resolving_sharded_checkpoints(
+                sharded_state_loader(self, reset_optimizer)
+            ):
                 extra_state = super().load_checkpoint(filename, *args, **kwargs)
+        except ShardedCheckpointError as error:
+            raise CheckpointLoadError(str(error)) from error
         except Exception as error:
+            if index is not None:
+                first_line = (str(error).strip().splitlines() or [""])[0]
+                raise CheckpointLoadError(
+                    f"{filename}: could not be loaded: {type(error).__name__}: {first_line}"
+                ) from error
             shapes = {name: p.shape for name, p in self._model.named_parameters()}
             raise CheckpointLoadError(
                 describe_checkpoint_problem(filename, shapes, error)

@@ -73,6 +73,11 @@ def check_sharded_config(cfg: Any) -> None:
         world_size = (int(os.environ["WORLD_SIZE"]) if launched_by_torchrun()
                       else dist_cfg.distributed_world_size)
         shard_group_size(options, world_size)
+    if options.checkpoint_format == "sharded" and options.shard_engine != "fsdp2":
+        raise ShardingConfigError(
+            "--checkpoint-format sharded writes DTensor shards and needs --shard-engine fsdp2: "
+            "use --checkpoint-format full with the fairscale engine"
+        )
     if options.export_consolidated and (cfg.checkpoint.no_save
                                         or cfg.checkpoint.no_last_checkpoints):
         raise ShardingConfigError(

@@ -1,9 +1,18 @@
-"""Checkpoints on 2 gloo CPU ranks: crash safety (SIGKILL on every rank) and exact resume."""
+"""Checkpoints on gloo CPU ranks: crash safety (SIGKILL on every rank), exact resume,
+sharded (DCP) save and reload on other world sizes, consolidated export.
+
+Five launches share the work: an uninterrupted 40-update run (full checkpoints, with the
+end-of-training export) is the reference; a sharded-format run killed right after its
+update-20 save and its resume killed inside the update-30 save must reproduce its losses
+exactly; helpers reload the checkpoints on 4 and then 1 rank.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import BinaryIO
@@ -24,6 +33,7 @@ from benchmarks.harness import (
 )
 from fairseq_shard_plugin import consolidate
 from fairseq_shard_plugin.atomic_files import remove_partial_files, write_atomically
+from fairseq_shard_plugin.checkpoint_sharded import SHARDS_DIR, remove_unreferenced_shards
 
 TINY = transformer_args(dim=64, ffn=128, layers=2)
 UPDATES = 40
@@ -34,10 +44,12 @@ UPDATES = 40
 # was never stopped.
 MAX_TOKENS = 128
 CRASH_HELPER = REPO / "tests" / "helpers" / "crash_training.py"
+RESHARD_HELPER = REPO / "tests" / "helpers" / "reshard_checkpoints.py"
+SHARDED = ("--checkpoint-format", "sharded")
 
 
-def args(corpus: Path, save_dir: Path, *extra: str) -> list[str]:
-    return training_args(corpus, save_dir, UPDATES, max_tokens=MAX_TOKENS) + TINY + [
+def args(corpus: Path, save_dir: Path, *extra: str, updates: int = UPDATES) -> list[str]:
+    return training_args(corpus, save_dir, updates, max_tokens=MAX_TOKENS) + TINY + [
         "--task", "sharded_translation", "--save-interval-updates", "10", *extra]
 
 
@@ -58,6 +70,10 @@ def saved_update(checkpoint: Path) -> int:
     return state["optimizer_history"][-1]["num_updates"]
 
 
+def equal_models(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[RunResult, Path]:
     save_dir = tmp_path_factory.mktemp("uninterrupted")
@@ -68,23 +84,24 @@ def uninterrupted(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
 
 
 @pytest.fixture(scope="module")
-def crashes(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    """Killed right after the update-20 save; resumed, and killed inside the update-30 save."""
+def crashes(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Sharded checkpoints; killed right after the update-20 save; resumed, and killed
+    inside the update-30 save (half-way through the copy to checkpoint_last.pt)."""
     save_dir = tmp_path_factory.mktemp("crashed")
-    after_save = crash_training("after-save", 20, args(corpus, save_dir))
-    last_bytes = (save_dir / "checkpoint_last.pt").read_bytes()
-    during_copy = crash_training("during-copy", 30, args(corpus, save_dir))
+    after_save = crash_training("after-save", 20, args(corpus, save_dir, *SHARDED))
+    first = {p.name: p.read_bytes() for p in save_dir.glob("*.pt")}
+    first_shards = sorted(p.name for p in (save_dir / "checkpoint_shards").iterdir())
+    during_copy = crash_training("during-copy", 30, args(corpus, save_dir, *SHARDED))
     return {"after_save": after_save, "during_copy": during_copy, "save_dir": save_dir,
-            "last_after_first_crash": last_bytes}
+            "files_after_first_crash": first, "shards_after_first_crash": first_shards}
 
 
 def test_sigkill_after_a_save_keeps_that_checkpoint(crashes: dict) -> None:
-    run = crashes["after_save"]
+    run, first = crashes["after_save"], crashes["files_after_first_crash"]
     assert run.returncode != 0 and "Signal 9" in run.output, run.output[-3000:]
     assert run.series("train_inner", "num_updates")[-1] == 20  # killed before update 21
-    first = crashes["save_dir"] / "checkpoint_1_20.pt"
-    assert crashes["last_after_first_crash"] == first.read_bytes()
-    assert saved_update(first) == 20
+    assert first["checkpoint_last.pt"] == first["checkpoint_1_20.pt"]
+    assert saved_update(crashes["save_dir"] / "checkpoint_1_20.pt") == 20
 
 
 def test_sigkill_during_the_copy_to_checkpoint_last_keeps_the_previous_one(
@@ -99,9 +116,11 @@ def test_sigkill_during_the_copy_to_checkpoint_last_keeps_the_previous_one(
     update_30 = save_dir / "checkpoint_1_30.pt"
     assert leftovers and 0 < leftovers[0].stat().st_size < update_30.stat().st_size
     # ... while checkpoint_last.pt is still, byte for byte, the update-20 checkpoint, which
-    # the next run resumes from; the update-30 file written before the copy is complete.
-    assert (save_dir / "checkpoint_last.pt").read_bytes() == crashes["last_after_first_crash"]
+    # the next run resumes from; the update-30 checkpoint written before the copy is whole.
+    last = (save_dir / "checkpoint_last.pt").read_bytes()
+    assert last == crashes["files_after_first_crash"]["checkpoint_1_20.pt"]
     assert saved_update(update_30) == 30
+    assert consolidate.read_full_state(update_30)["optimizer_history"][-1]["num_updates"] == 30
 
 
 def test_resume_after_a_crash_reproduces_the_uninterrupted_losses(
@@ -131,6 +150,9 @@ def test_an_interrupted_write_leaves_the_old_file_and_is_cleaned_up(tmp_path: Pa
     assert not leftover.exists() and target.exists()
 
 
+# ------------------------------------------------------------ consolidated export
+
+
 def translations(corpus: Path, checkpoint: Path) -> list[str]:
     """Hypotheses of ``fairseq-generate --path checkpoint`` on the test set."""
     generated = subprocess.run(
@@ -155,10 +177,9 @@ def test_export_at_end_of_training_is_a_standard_inference_checkpoint(
     final = torch.load(save_dir / "checkpoint_last.pt", weights_only=True)
     assert "last_optimizer_state" not in exported
     assert final["optimizer_history"][-1]["num_updates"] == UPDATES
-    assert exported["model"].keys() == final["model"].keys()
     for name, tensor in exported["model"].items():  # the gathered full fp32 weights
         assert type(tensor) is torch.Tensor and tensor.dtype == torch.float32, name
-        assert torch.equal(tensor, final["model"][name]), name
+    assert equal_models(exported["model"], final["model"])
     assert export_path.stat().st_size < 0.6 * (save_dir / "checkpoint_last.pt").stat().st_size
     translations(corpus, export_path)
 
@@ -176,8 +197,6 @@ def test_consolidate_command_writes_16_bit_weights_that_from_pretrained_loads(
         assert torch.equal(tensor, final["model"][name].half()), name
 
     from fairseq.models.transformer import TransformerModel
-
-    import fairseq_shard_plugin  # noqa: F401  (the user dir: allows the config's types)
 
     hub = TransformerModel.from_pretrained(str(tmp_path), checkpoint_file=out.name,
                                            data_name_or_path=str(corpus))
@@ -198,3 +217,103 @@ def test_consolidate_refuses_a_truncated_checkpoint_in_one_line(
     assert "\n" not in message and message.startswith("fairseq-shard-consolidate: error: ")
     assert "checkpoint_last.pt: unreadable checkpoint" in message and "truncated" in message
     assert not (tmp_path / "out.pt").exists()
+
+
+# ------------------------------------------------- --checkpoint-format sharded (DCP shards)
+
+
+def test_sharded_save_writes_each_ranks_shards_and_small_indexes(
+    crashes: dict, uninterrupted: tuple[RunResult, Path], tmp_path: Path
+) -> None:
+    save_dir, full_dir = crashes["save_dir"], uninterrupted[1]
+    first = crashes["files_after_first_crash"]
+    assert sorted(first) == ["checkpoint_1_10.pt", "checkpoint_1_20.pt", "checkpoint_best.pt",
+                             "checkpoint_last.pt"]
+    assert [name.split("-")[0] for name in crashes["shards_after_first_crash"]] == ["u10", "u20"]
+    index = torch.load(save_dir / "checkpoint_1_20.pt", weights_only=True)
+    shards = save_dir / index["sharded_checkpoint"]["dir"]
+    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp",
+                                                       "__1_0.distcp"]
+    assert index["extra_state"]["train_iterator"]["iterations_in_epoch"] == 20
+    full_size = (full_dir / "checkpoint_1_20.pt").stat().st_size
+    assert len(first["checkpoint_1_20.pt"]) < 0.1 * full_size
+    # the shards, gathered by the consolidate command, are bit for bit the full checkpoint
+    # of the same update (written by the uninterrupted run in the full format)
+    gathered = consolidate.read_full_state(save_dir / "checkpoint_1_20.pt")
+    full = torch.load(full_dir / "checkpoint_1_20.pt", weights_only=True)
+    assert equal_models(gathered["model"], full["model"])
+    for index, moments in full["last_optimizer_state"]["state"].items():
+        saved = gathered["last_optimizer_state"]["state"][index]
+        assert saved["step"] == moments["step"]
+        assert torch.equal(saved["exp_avg"], moments["exp_avg"])
+        assert torch.equal(saved["exp_avg_sq"], moments["exp_avg_sq"])
+    out = consolidate.export_consolidated(save_dir / "checkpoint_1_20.pt", tmp_path / "m.pt")
+    assert equal_models(torch.load(out, weights_only=True)["model"], full["model"])
+
+
+def test_shards_that_no_checkpoint_names_are_removed(tmp_path: Path) -> None:
+    shards = tmp_path / SHARDS_DIR
+    for name in ("u10-a", "u20-b", "u30-c"):
+        (shards / name).mkdir(parents=True)
+        (shards / name / ".metadata").write_bytes(b"x")
+    for name, target in (("checkpoint_1_20.pt", "u20-b"), ("checkpoint_last.pt", "u30-c")):
+        torch.save({"sharded_checkpoint": {"dir": f"{SHARDS_DIR}/{target}"}}, tmp_path / name)
+    torch.save({"model": {}}, tmp_path / "checkpoint_best.pt")  # a full checkpoint
+    removed = remove_unreferenced_shards(tmp_path, lambda p: torch.load(p, weights_only=True))
+    assert removed == [shards / "u10-a"]
+    assert sorted(p.name for p in shards.iterdir()) == ["u20-b", "u30-c"]
+
+
+def reshard(nproc: int, corpus: Path, work: Path, spec: dict) -> dict:
+    """Run ``reshard_checkpoints.py`` on ``nproc`` ranks; return its report."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "spec.json").write_text(json.dumps(spec))
+    command = [tool("torchrun"), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), str(RESHARD_HELPER),
+               str(work / "report.json"), str(work / "spec.json"), str(corpus), *TINY,
+               "--cpu", "--task", "sharded_translation", "--optimizer", "adam", "--lr", "1e-3",
+               "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+               "--ddp-backend", "fully_sharded", *SHARDED, "--save-dir", str(work)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return json.loads((work / "report.json").read_text())
+
+
+def test_checkpoints_reload_exactly_from_2_to_4_to_1_ranks_and_bad_ones_change_nothing(
+    corpus: Path, crashes: dict, uninterrupted: tuple[RunResult, Path], tmp_path: Path,
+) -> None:
+    two_ranks = str(crashes["save_dir"] / "checkpoint_1_20.pt")
+    full = str(uninterrupted[1] / "checkpoint_1_20.pt")
+    four_ranks = tmp_path / "four" / "checkpoint_last.pt"
+    on_four = reshard(4, corpus, four_ranks.parent,
+                      {"exact": [full, two_ranks], "write": str(four_ranks)})
+    assert len(list((four_ranks.parent / SHARDS_DIR).glob("*/__*.distcp"))) == 4
+
+    broken = []
+    for damage in ("truncated", "no_metadata"):
+        copy = tmp_path / damage
+        shutil.copytree(crashes["save_dir"], copy)
+        shards = copy / torch.load(copy / "checkpoint_1_20.pt",
+                                   weights_only=True)["sharded_checkpoint"]["dir"]
+        if damage == "truncated":
+            data = (shards / "__1_0.distcp").read_bytes()
+            (shards / "__1_0.distcp").write_bytes(data[: len(data) // 2])
+        else:
+            (shards / ".metadata").unlink()
+        broken.append(str(copy / "checkpoint_1_20.pt"))
+    on_one = reshard(1, corpus, tmp_path / "one", {
+        "exact": [str(four_ranks), full], "broken": broken,
+        "other_arch": ["--encoder-ffn-embed-dim", "256", "--decoder-ffn-embed-dim", "256"]})
+
+    for report in on_four["exact"] + on_one["exact"]:
+        assert report["model_equal"] and report["optimizer_equal"], report
+        assert report["optimizer_tensors"] > 0 and report["num_updates"] == 20, report
+    truncated, no_metadata = on_one["broken"]
+    for refusal in (truncated, no_metadata, on_one["other_arch"]):
+        assert refusal["unchanged"] and "\n" not in refusal["error"], refusal
+        assert refusal["error"].startswith(refusal["checkpoint"] + ": "), refusal
+    assert "__1_0.distcp is truncated" in truncated["error"]
+    assert "no readable .metadata" in no_metadata["error"]
+    assert ("fc1.weight has shape [128, 64] in the checkpoint and [256, 64] in the model"
+            in on_one["other_arch"]["error"])
