@@ -86,8 +86,8 @@ def check_sharded_config(cfg: Any) -> None:
         )
     if dist_cfg.use_sharded_state:
         raise ShardingConfigError(
-            "--use-sharded-state is fairscale's checkpoint format; the plugin writes "
-            "consolidated checkpoints: remove --use-sharded-state"
+            "--use-sharded-state is fairscale's checkpoint format: remove it (for per-rank "
+            "shards use --checkpoint-format sharded)"
         )
     if common.model_parallel_size > 1 or dist_cfg.pipeline_model_parallel:
         raise ShardingConfigError(
