@@ -317,3 +317,27 @@ def test_checkpoints_reload_exactly_from_2_to_4_to_1_ranks_and_bad_ones_change_n
     assert "no readable .metadata" in no_metadata["error"]
     assert ("fc1.weight has shape [128, 64] in the checkpoint and [256, 64] in the model"
             in on_one["other_arch"]["error"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--export-consolidated", "m.pt", "--no-save"], "--export-consolidated"),
+        (["--checkpoint-format", "sharded", "--shard-engine", "fairscale"],
+         "--checkpoint-format sharded"),
+    ],
+)
+def test_unworkable_checkpoint_options_are_refused_with_the_flag_named(
+    corpus: Path, flags: list[str], named: str
+) -> None:
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    from fairseq_shard_plugin.validation import ShardingConfigError, check_sharded_config
+
+    parser = options.get_training_parser()
+    parsed = options.parse_args_and_arch(parser, [
+        str(corpus), *TINY, "--task", "sharded_translation", "--user-dir", str(PLUGIN_DIR),
+        "--ddp-backend", "fully_sharded", "--cpu", *flags])
+    with pytest.raises(ShardingConfigError, match=named):
+        check_sharded_config(convert_namespace_to_omegaconf(parsed))
