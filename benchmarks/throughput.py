@@ -274,8 +274,8 @@ def main() -> None:
 
 COLUMNS = [
     ("run", "run"), ("what runs", "note"), ("words/s", "words_per_s"),
-    ("s/update", "s_per_update"), ("x DDP words/s", "speed_vs_ddp"),
-    ("x DDP, upper quartile", "q3_vs_ddp"),
+    ("words/s per round", "rounds_text"), ("s/update", "s_per_update"),
+    ("x DDP words/s", "speed_vs_ddp"),
     ("tokens/step/rank at budget", "budget_tokens"), ("peak MiB there", "budget_peak_mib"),
     ("x DDP tokens", "tokens_vs_ddp"),
 ]
@@ -296,6 +296,7 @@ def report_rows(names: list[str], found: dict[str, Config], speed: dict[str, dic
             "speed_vs_ddp": round(speed[name]["words_per_s"] / ddp_speed, 2)
             if ddp_speed else None,
             "q3_vs_ddp": round(speed[name]["words_per_s_q3"] / ddp_q3, 2) if ddp_q3 else None,
+            "rounds_text": ", ".join(f"{w:.0f}" for w in speed[name]["words_per_s_rounds"]),
             "budget_tokens": None if tokens is None
             else f"{'>=' if budget[name]['at_cap'] else ''}{tokens}",
             "budget_peak_mib": budget[name]["peak_mib"],
