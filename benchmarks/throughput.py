@@ -61,6 +61,9 @@ def configs(cuda: bool) -> dict[str, Config]:
     found = {
         "ddp": Config("ddp", False, note="stock fairseq, --ddp-backend legacy_ddp"),
         "sharded": Config("sharded", True, note="plugin, --ddp-backend fully_sharded"),
+        "sharded+root": Config(
+            "sharded+root", True, ["--keep-root-gathered"],
+            "plugin, --keep-root-gathered (root unit kept gathered from forward to backward)"),
         "sharded+memory": Config(
             "sharded+memory", True, ["--checkpoint-activations"],
             f"plugin + chunked loss (--criterion {CHUNKED_LOSS}) + --checkpoint-activations",
