@@ -36,6 +36,13 @@ class ShardingConfig(FairseqDataclass):
             "as fairscale's root does in stock fairseq (costs memory; for comparison)"
         },
     )
+    root_unit_only: bool = field(
+        default=False,
+        metadata={
+            "help": "shard only the root unit, as stock fairseq does when every layer is "
+            "below --min-params-to-wrap (for comparison: no per-layer units)"
+        },
+    )
     reduce_in_16_bit: bool = field(
         default=False,
         metadata={
@@ -77,13 +84,6 @@ class ShardingConfig(FairseqDataclass):
             "sharded: each rank writes its own shards (torch.distributed.checkpoint) under "
             "checkpoint_shards/ and the usual names hold a small index; both resume on any "
             "number of ranks and fairseq-shard-consolidate reads both"
-        },
-    )
-    export_consolidated: Optional[str] = field(  # noqa: UP045 (fairseq parses Optional[])
-        default=None,
-        metadata={
-            "help": "at the end of training, also write the final model as one standard "
-            "fairseq checkpoint (weights only) to this path, for fairseq-generate --path"
         },
     )
 

@@ -92,7 +92,9 @@ class ShardedTrainer(Trainer):
         self.sharding_options = sharding_options(cfg.task)
         use_cuda = uses_cuda(cfg)
         ensure_process_group(cfg, use_cuda)
-        self.sharding_plan = build_plan(model, self.sharding_options.keep_root_gathered)
+        self.sharding_plan = build_plan(
+            model, self.sharding_options.keep_root_gathered, self.sharding_options.root_unit_only
+        )
         self.compute_dtype = compute_dtype(cfg.common)
         self.engine = build_engine(
             self.sharding_options.shard_engine, use_cuda, self.compute_dtype,

@@ -67,8 +67,17 @@ def _group_by_shared_parameters(
     return [members for _, members in groups]
 
 
-def build_plan(model: nn.Module, keep_root_gathered: bool = False) -> ShardingPlan:
-    """Return the sharding plan for a fairseq model."""
+def build_plan(
+    model: nn.Module, keep_root_gathered: bool = False, root_unit_only: bool = False
+) -> ShardingPlan:
+    """Return the sharding plan for a fairseq model.
+
+    ``root_unit_only`` reproduces stock fairseq's plan for layers below
+    ``--min-params-to-wrap``: one unit holding everything (for comparisons).
+    """
+    root = ShardUnit("<root>", (model,), reshard_after_forward=not keep_root_gathered)
+    if root_unit_only:
+        return ShardingPlan(units=(), root=root)
     layers: list[ShardUnit] = []
     candidates: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
@@ -88,5 +97,4 @@ def build_plan(model: nn.Module, keep_root_gathered: bool = False) -> ShardingPl
         ShardUnit("+".join(n for n, _ in group), tuple(m for _, m in group))
         for group in _group_by_shared_parameters(candidates)
     ]
-    root = ShardUnit("<root>", (model,), reshard_after_forward=not keep_root_gathered)
     return ShardingPlan(units=tuple(layers + vocabulary), root=root)

@@ -75,5 +75,12 @@ def test_root_reshards_unless_asked_to_keep_it_gathered(corpus: Path) -> None:
     model = build_model(corpus, "translation", "bart_base", SMALL)
     assert build_plan(model).root.reshard_after_forward
     assert not build_plan(model, keep_root_gathered=True).root.reshard_after_forward
+
+
+def test_root_unit_only_reproduces_stock_plan(corpus: Path) -> None:
+    model = build_model(corpus, "translation", "transformer", SMALL)
+    plan = build_plan(model, keep_root_gathered=True, root_unit_only=True)
+    assert plan.units == () and plan.root.modules == (model,)
+    assert not plan.root.reshard_after_forward
     # learned positions and final norms stay in the root
     assert not any("embed_positions" in name for name in unit_names(model))
