@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test lint demo gpu-wheels clean
+.PHONY: install test lint demo memory gpu-wheels clean
 
 $(STAMP): setup.py Makefile
 	python3 -m venv $(VENV)
@@ -23,6 +23,16 @@ test: lint
 
 demo: install
 	$(PY) -m benchmarks.demo
+
+# Benchmarks draw charts with matplotlib (the "bench" extra).
+BENCH_STAMP := $(VENV)/.bench-stamp
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+# Per-rank memory breakdown at the NLLB-600M shape (about 25 minutes and 20 GiB on 2 cores).
+memory: $(BENCH_STAMP)
+	$(PY) -m benchmarks.memory
 
 # Packages the GPU machine lacks (Python 3.12 there), for benchmarks/gpu_check.sh.
 gpu-wheels: install

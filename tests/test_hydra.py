@@ -49,4 +49,4 @@ def test_unknown_engine_from_a_hydra_override_is_refused(corpus: Path, tmp_path:
     assert completed.returncode != 0
     output = completed.stdout + completed.stderr
     # the task's dataclass config checks the choice when Hydra's config is merged into it
-    assert "Invalid value 'deepspeed', expected one of [fsdp2]" in output
+    assert "Invalid value 'deepspeed', expected one of [fsdp2, fairscale]" in output
