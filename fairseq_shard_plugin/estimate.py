@@ -1,0 +1,233 @@
+"""``fairseq-shard-estimate``: per-rank memory of a sharded fairseq training, before the run.
+
+Builds the model through fairseq on the meta device (exact parameter counts and sharding
+units, no memory), then applies :mod:`fairseq_shard_plugin.memory_model`. Prints GiB per
+rank for unsharded training, stock fairseq's ``fully_sharded`` policy and the requested
+configuration side by side, and which feature would lower the peak most.
+
+    fairseq-shard-estimate --arch nllb_dense_600m --world-size 2 --max-tokens 4096 --fp16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+from dataclasses import asdict
+from typing import Any
+
+from fairseq_shard_plugin.memory_model import (
+    GIB,
+    Estimate,
+    ModelShape,
+    TrainingSetup,
+    comparison,
+    helps_most,
+)
+
+PROG = "fairseq-shard-estimate"
+CHUNKED = "chunked_label_smoothed_cross_entropy"
+STOCK = "label_smoothed_cross_entropy"
+SIZE_FLAGS = ("encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim",
+              "encoder_ffn_embed_dim", "decoder_ffn_embed_dim", "encoder_attention_heads",
+              "decoder_attention_heads")
+
+
+class EstimateError(ValueError):
+    """Bad input, reported as one line naming the flag to change."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="nllb_dense_600m",
+                   help="any registered fairseq encoder-decoder transformer arch")
+    for flag in SIZE_FLAGS:
+        p.add_argument("--" + flag.replace("_", "-"), type=int, help="override the arch's value")
+    p.add_argument("--attention-dropout", type=float,
+                   help="override the arch's (with dropout the attention keeps probabilities)")
+    p.add_argument("--share-all-embeddings", action=argparse.BooleanOptionalAction,
+                   default=None, help="default: the arch's (on for nllb_dense_*)")
+    p.add_argument("--vocab", type=int, default=256206, help="dictionary size (source=target)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks sharing the model")
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens per rank and step")
+    p.add_argument("--tokens-per-sentence", type=int, default=64,
+                   help="sentence length (attention memory grows with it)")
+    precision = p.add_mutually_exclusive_group()
+    for flag in ("fp16", "bf16", "memory-efficient-fp16", "memory-efficient-bf16"):
+        precision.add_argument("--" + flag, action="store_true")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    p.add_argument("--criterion", choices=(STOCK, CHUNKED), default=STOCK)
+    p.add_argument("--loss-chunk-tokens", type=int, default=1024)
+    for flag in ("root-unit-only", "keep-root-gathered", "checkpoint-activations",
+                 "cpu-offload", "reduce-in-16-bit"):
+        p.add_argument("--" + flag, action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def _check(options: argparse.Namespace) -> None:
+    for flag in ("vocab", "world_size", "max_tokens", "tokens_per_sentence",
+                 "loss_chunk_tokens", *SIZE_FLAGS):
+        value = getattr(options, flag)
+        if value is not None and value < 1:
+            raise EstimateError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if options.vocab < 5:
+        raise EstimateError("--vocab must exceed fairseq's 4 special symbols")
+
+
+def setup_from(options: argparse.Namespace) -> TrainingSetup:
+    if options.fp16 or options.memory_efficient_fp16:
+        precision = "fp16"
+    elif options.bf16 or options.memory_efficient_bf16:
+        precision = "bf16"
+    else:
+        precision = "fp32"
+    return TrainingSetup(
+        world_size=options.world_size, tokens=options.max_tokens,
+        tokens_per_sentence=options.tokens_per_sentence, precision=precision,
+        optimizer=options.optimizer, root_unit_only=options.root_unit_only,
+        keep_root_gathered=options.keep_root_gathered,
+        chunked_loss=options.criterion == CHUNKED, loss_chunk_tokens=options.loss_chunk_tokens,
+        checkpoint_activations=options.checkpoint_activations, cpu_offload=options.cpu_offload,
+        reduce_in_16_bit=options.reduce_in_16_bit,
+    )
+
+
+def _fairseq_args(options: argparse.Namespace) -> list[str]:
+    argv = [".", "--task", "translation", "--arch", options.arch]
+    for flag in SIZE_FLAGS:
+        value = getattr(options, flag)
+        if value is not None:
+            argv += ["--" + flag.replace("_", "-"), str(value)]
+    if options.attention_dropout is not None:
+        argv += ["--attention-dropout", str(options.attention_dropout)]
+    if options.share_all_embeddings:
+        argv.append("--share-all-embeddings")
+    return argv
+
+
+def shape_from_fairseq(options: argparse.Namespace) -> ModelShape:
+    """Build the model on the meta device through fairseq and read its sharding units."""
+    import torch
+
+    logging.getLogger("fairseq").setLevel(logging.WARNING)  # import-time notices
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from fairseq import options as fairseq_options
+    from fairseq.data import Dictionary
+    from fairseq.models import ARCH_MODEL_REGISTRY
+    from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+    import fairseq_shard_plugin  # noqa: F401  (registers the nllb_dense_* archs)
+    from fairseq_shard_plugin.wrap_policy import build_plan
+
+    if options.arch not in ARCH_MODEL_REGISTRY:
+        raise EstimateError(f"--arch {options.arch} is not a registered fairseq architecture")
+    dictionary = Dictionary()
+    for index in range(options.vocab - len(dictionary)):
+        dictionary.add_symbol(f"t{index}")
+    args = fairseq_options.parse_args_and_arch(
+        fairseq_options.get_training_parser(), _fairseq_args(options))
+    if options.share_all_embeddings is False:
+        args.share_all_embeddings = False
+    task = TranslationTask(TranslationConfig(), dictionary, dictionary)
+    with torch.device("meta"):  # shapes only
+        model = task.build_model(args)
+    encoder, decoder = getattr(model, "encoder", None), getattr(model, "decoder", None)
+    if not (hasattr(encoder, "layers") and hasattr(decoder, "layers")
+            and len(encoder.layers) and len(decoder.layers)):
+        raise EstimateError(f"--arch {options.arch} is not an encoder-decoder transformer "
+                            "with encoder and decoder layers")
+
+    def count(modules: Any) -> int:
+        unique = {id(p): p.numel() for m in modules for p in m.parameters()}
+        return sum(unique.values())
+
+    layers = {id(layer) for layer in (*encoder.layers, *decoder.layers)}
+    vocab_units = [count(unit.modules) for unit in build_plan(model).units
+                   if id(unit.modules[0]) not in layers]
+    buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point() and b.numel() > 1)
+    return ModelShape(
+        vocabulary=len(dictionary),
+        encoder_layers=len(encoder.layers), decoder_layers=len(decoder.layers),
+        encoder_dim=args.encoder_embed_dim, decoder_dim=args.decoder_embed_dim,
+        encoder_ffn=args.encoder_ffn_embed_dim, decoder_ffn=args.decoder_ffn_embed_dim,
+        encoder_heads=args.encoder_attention_heads, decoder_heads=args.decoder_attention_heads,
+        parameters=count([model]),
+        encoder_layer_parameters=count([encoder.layers[0]]),
+        decoder_layer_parameters=count([decoder.layers[0]]),
+        vocabulary_unit_parameters=max(vocab_units, default=0),
+        buffer_elements=buffers,
+        attention_dropout=float(getattr(args, "attention_dropout", 0.0) or 0.0) > 0,
+    )
+
+
+ROWS = (("parameters", "params"), ("gradients", "grads"), ("optimizer state", "optimizer"),
+        ("buffers", "buffers"), ("activations", "activations"),
+        ("temporaries", "temporaries"), ("peak", "peak"))
+
+
+def table(results: dict[str, Estimate], setup: TrainingSetup) -> str:
+    names = {"unsharded": "unsharded (1 rank)",
+             "stock-policy": f"stock policy ({setup.world_size} ranks)",
+             "requested": f"this run ({setup.world_size} ranks)"}
+    width = max(len(n) for n in names.values()) + 2
+    lines = ["GiB per rank".ljust(18) + "".join(n.rjust(width) for n in names.values())]
+    for label, field in ROWS:
+        values = (getattr(results[key], field) / GIB for key in names)
+        lines.append(label.ljust(18) + "".join(f"{v:{width}.2f}" for v in values))
+    lines.append("peak during".ljust(18) + "".join(
+        results[key].peak_phase.rjust(width) for key in names))
+    if results["requested"].host:
+        lines.append(f"model state on the host (--cpu-offload): "
+                     f"{results['requested'].host / GIB:.2f} GiB per rank")
+    return "\n".join(lines)
+
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse ``argv`` and return the estimate as a JSON-ready dict."""
+    options = parser().parse_args(argv)
+    _check(options)
+    shape = shape_from_fairseq(options)
+    setup = setup_from(options)
+    results = comparison(shape, setup)
+    best = helps_most(shape, setup)
+    return {
+        "model": asdict(shape), "setup": asdict(setup),
+        "configurations": {name: est.gib() for name, est in results.items()},
+        "helps_most": None if best is None else {
+            "feature": best[0], "flag": best[1], "saves_gib": best[2] / GIB,
+            "peak_gib": (results["requested"].peak - best[2]) / GIB},
+        "_estimates": results,
+    }
+
+
+def helps_most_line(report: dict[str, Any]) -> str:
+    best = report["helps_most"]
+    if best is None:
+        return "No further feature lowers the estimated peak."
+    return (f"Helps most: {best['feature']} ({best['flag']}): peak "
+            f"{report['configurations']['requested']['peak_gib']:.2f} -> "
+            f"{best['peak_gib']:.2f} GiB per rank.")
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        report = run(argv)
+    except EstimateError as error:
+        sys.exit(f"{PROG}: error: {error}")
+    estimates = report.pop("_estimates")
+    if "--json" in (argv if argv is not None else sys.argv[1:]):
+        print(json.dumps(report, indent=2))
+        return
+    shape, setup = report["model"], report["setup"]
+    print(f"{shape['parameters'] / 1e6:.1f}M parameters (vocabulary unit "
+          f"{shape['vocabulary_unit_parameters'] / 1e6:.1f}M), {setup['tokens']} tokens per "
+          f"rank, {setup['precision']} compute, fp32 master shards, {setup['optimizer']}")
+    print(table(estimates, TrainingSetup(**setup)))
+    print(helps_most_line(report))
+
+
+if __name__ == "__main__":
+    main()

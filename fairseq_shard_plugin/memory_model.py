@@ -1,0 +1,287 @@
+"""Analytic per-rank memory of one sharded training step (pure arithmetic, no torch).
+
+The model follows how the plugin holds memory (see ``precision.py``, ``engines/fsdp2.py``,
+``chunked_cross_entropy.py``) and what torch FSDP2 allocates:
+
+- resident: fp32 master shards (4 B/N per parameter), Adam's two fp32 moments (8 B/N),
+  after backward the fp32 gradient shards (4 B/N); no persistent 16-bit copy;
+- a unit in use is all-gathered into a compute-dtype copy (b bytes per parameter); a root
+  kept gathered (stock fairseq's policy) holds the whole model from forward to the end of
+  backward; in backward each unit's unsharded gradient (b bytes) is copied into a
+  reduce-scatter input of the reduce dtype (fp32 unless ``--reduce-in-16-bit``) before
+  its 1/N slice is kept;
+- fairseq's label-smoothed loss keeps fp32 log-probabilities (tokens x V x 4 B) and its
+  backward holds two more tensors of that size at once; the chunked criterion holds one
+  chunk of fp32 logits, an fp32 V x d gradient accumulator and an fp32 copy of the weight;
+- saved activations per token and layer of fairseq's pre-norm transformer, measured on CPU
+  (the attention there runs torch's math path, which keeps fp32 attention probabilities,
+  their dropout noise and the dropped probabilities: 12 B per head and source token in
+  the encoder, 20 B over the decoder's two attentions); with activation checkpointing only
+  each layer's input is kept, plus one layer's activations while it is recomputed.
+
+The peak is the largest of a few moments of the step (:data:`PHASES`); each is a sum of
+the tensors live then. The breakdown follows ``benchmarks/memory.py``: activations are the
+bytes live when the loss is computed beyond the resident state (including parameters a
+unit keeps gathered), temporaries are the rest of the peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of an encoder-decoder transformer, and of its sharding units, in parameters."""
+
+    vocabulary: int
+    encoder_layers: int
+    decoder_layers: int
+    encoder_dim: int
+    decoder_dim: int
+    encoder_ffn: int
+    decoder_ffn: int
+    encoder_heads: int
+    decoder_heads: int
+    parameters: int  # all parameters
+    encoder_layer_parameters: int
+    decoder_layer_parameters: int
+    vocabulary_unit_parameters: int  # the largest vocabulary unit (tied: embedding+projection)
+    buffer_elements: int = 0  # floating-point buffers (sinusoidal positions), cast to b
+    attention_dropout: bool = True  # keeps attention probabilities (CPU math path)
+
+    @property
+    def largest_unit(self) -> int:
+        return max(self.vocabulary_unit_parameters, self.encoder_layer_parameters,
+                   self.decoder_layer_parameters)
+
+
+def transformer_shape(
+    vocabulary: int, encoder_layers: int, decoder_layers: int, encoder_dim: int,
+    encoder_ffn: int, encoder_heads: int, decoder_dim: int | None = None,
+    decoder_ffn: int | None = None, decoder_heads: int | None = None,
+    share_all_embeddings: bool = True, max_positions: int = 1024,
+) -> ModelShape:
+    """Shape of fairseq's pre-norm ``transformer`` from its sizes (sinusoidal positions).
+
+    Without shared embeddings the source and target vocabularies are taken as equal and
+    the decoder's embedding stays tied to its output projection.
+    """
+    decoder_dim = decoder_dim or encoder_dim
+    decoder_ffn = decoder_ffn or encoder_ffn
+    decoder_heads = decoder_heads or encoder_heads
+
+    def attention(d: int) -> int:
+        return 4 * (d * d + d)
+
+    def feed_forward(d: int, ffn: int) -> int:
+        return 2 * d * ffn + ffn + d
+
+    encoder_layer = (attention(encoder_dim) + feed_forward(encoder_dim, encoder_ffn)
+                     + 4 * encoder_dim)
+    decoder_layer = (2 * attention(decoder_dim) + feed_forward(decoder_dim, decoder_ffn)
+                     + 6 * decoder_dim)
+    vocab_unit = vocabulary * decoder_dim
+    embeddings = vocab_unit if share_all_embeddings else vocab_unit + vocabulary * encoder_dim
+    total = (embeddings + encoder_layers * encoder_layer + decoder_layers * decoder_layer
+             + 2 * encoder_dim + 2 * decoder_dim)  # final layer norms
+    return ModelShape(
+        vocabulary, encoder_layers, decoder_layers, encoder_dim, decoder_dim, encoder_ffn,
+        decoder_ffn, encoder_heads, decoder_heads, total, encoder_layer, decoder_layer,
+        vocab_unit, (max_positions + 2) * (encoder_dim + decoder_dim),
+    )
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """Everything besides the model that decides a rank's memory."""
+
+    world_size: int = 2
+    tokens: int = 4096  # per rank and step; source and target alike
+    tokens_per_sentence: int = 64
+    precision: str = "fp16"  # fp16 | bf16 | fp32
+    optimizer: str = "adam"  # adam | sgd
+    root_unit_only: bool = False
+    keep_root_gathered: bool = False
+    chunked_loss: bool = False
+    loss_chunk_tokens: int = 1024
+    checkpoint_activations: bool = False
+    cpu_offload: bool = False
+    reduce_in_16_bit: bool = False
+
+    @property
+    def compute_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def reduce_bytes(self) -> int:
+        return self.compute_bytes if self.reduce_in_16_bit else 4
+
+
+# Features a user can turn on, with the flag that does it (for "helps most").
+FEATURES: dict[str, tuple[str, dict]] = {
+    "per-layer units": ("drop --root-unit-only", {"root_unit_only": False}),
+    "resharded root": ("drop --keep-root-gathered", {"keep_root_gathered": False}),
+    "chunked loss": ("--criterion chunked_label_smoothed_cross_entropy",
+                     {"chunked_loss": True}),
+    "activation checkpointing": ("--checkpoint-activations", {"checkpoint_activations": True}),
+    "CPU offload": ("--cpu-offload", {"cpu_offload": True}),
+    "16-bit reduction": ("--reduce-in-16-bit", {"reduce_in_16_bit": True}),
+}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-rank bytes: the breakdown at the peak and the phase the peak falls in."""
+
+    params: float
+    grads: float
+    optimizer: float
+    buffers: float
+    activations: float
+    temporaries: float
+    peak: float
+    peak_phase: str
+    host: float  # model state kept on the host (--cpu-offload), not in ``peak``
+    phases: dict[str, float]
+
+    def gib(self) -> dict[str, float | str | dict]:
+        fields = ("params", "grads", "optimizer", "buffers", "activations", "temporaries",
+                  "peak", "host")
+        out: dict = {f"{name}_gib": getattr(self, name) / GIB for name in fields}
+        out["peak_phase"] = self.peak_phase
+        out["phases_gib"] = {name: value / GIB for name, value in self.phases.items()}
+        return out
+
+
+def layer_activation_bytes(d: int, ffn: int, heads: int, sentence: int, b: int,
+                           decoder: bool, attention_dropout: bool = True) -> float:
+    """Bytes a layer keeps for backward per token, with compute dtype of ``b`` bytes.
+
+    Fitted to live-tensor measurements of fairseq's layers on CPU (torch 2.13, d 256 and
+    1024, ffn 512 to 4096, fp32 and bf16, sentences of 32 and 64 tokens; exact to 0.3%).
+    With attention dropout torch's attention runs its math path (fp32 q/k/v, attention
+    probabilities, dropout noise and dropped probabilities); without it the encoder's
+    attention is fused and keeps no probabilities.
+    """
+    if attention_dropout:
+        if decoder:
+            return 8 * d + (16 * d + ffn) * b + 20 * heads * sentence + 13
+        return 12 * d + (7 * d + ffn) * b + 12 * heads * sentence + 8
+    if decoder:
+        return 2 * d + (16 * d + ffn) * b + 6 * heads * sentence + 13
+    return (10 * d + ffn) * b + 32
+
+
+def activation_bytes(shape: ModelShape, setup: TrainingSetup) -> tuple[float, float]:
+    """(kept from forward to backward, extra while one layer is recomputed), per rank."""
+    b, tokens, s = setup.compute_bytes, setup.tokens, setup.tokens_per_sentence
+    encoder = layer_activation_bytes(shape.encoder_dim, shape.encoder_ffn,
+                                     shape.encoder_heads, s, b, False, shape.attention_dropout)
+    decoder = layer_activation_bytes(shape.decoder_dim, shape.decoder_ffn,
+                                     shape.decoder_heads, s, b, True, shape.attention_dropout)
+    # embedding dropout noise and output, final layer norm output, for encoder and decoder
+    outside = 3 * b * (shape.encoder_dim + shape.decoder_dim)
+    if setup.checkpoint_activations:
+        inputs = (shape.encoder_layers * shape.encoder_dim
+                  + shape.decoder_layers * shape.decoder_dim) * b
+        return tokens * (inputs + outside), tokens * max(encoder, decoder)
+    layers = shape.encoder_layers * encoder + shape.decoder_layers * decoder
+    return tokens * (layers + outside), 0.0
+
+
+def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
+    """Per-rank peak memory of one training step (after the first: Adam's state exists)."""
+    n, b, r = setup.world_size, setup.compute_bytes, setup.reduce_bytes
+    p, tokens, vocab, d = shape.parameters, setup.tokens, shape.vocabulary, shape.decoder_dim
+    params, grads = 4 * p / n, 4 * p / n
+    optimizer = 8 * p / n if setup.optimizer == "adam" else 0.0
+    buffers = shape.buffer_elements * b
+    host = 0.0
+    if setup.cpu_offload:  # shards, their gradients and Adam's state stay on the host
+        host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
+    resident = params + optimizer + buffers  # gradients are dropped at each step's start
+
+    per_layer_units = not setup.root_unit_only
+    vocab_unit = shape.vocabulary_unit_parameters if per_layer_units else p
+    layer_unit = max(shape.encoder_layer_parameters, shape.decoder_layer_parameters)
+    kept_gathered = b * p if (setup.root_unit_only and setup.keep_root_gathered) else 0.0
+    if n == 1 and setup.root_unit_only:  # world size 1: the gathered copy stays
+        kept_gathered = b * p
+
+    saved, recompute = activation_bytes(shape, setup)
+    loss_saved = 4 * tokens if setup.chunked_loss else 4 * tokens * vocab
+    activations = saved + loss_saved + kept_gathered
+    # gathered 16-bit copy of the vocabulary unit while it is used (unless the root holds it)
+    vocab_gathered = 0.0 if kept_gathered else b * vocab_unit
+
+    phases: dict[str, float] = {}
+    if setup.chunked_loss:
+        chunk = min(setup.loss_chunk_tokens, tokens)
+        # one chunk of fp32 logits, fp32 weight-gradient accumulator, fp32 copy of the
+        # weight for the matmul, chunk x d fp32 products, the hidden-state gradient
+        loss_extra = (4 * chunk * vocab + 2 * 4 * vocab * d + 4 * chunk * d
+                      + b * tokens * d + vocab_gathered)
+    else:
+        # fp32 gradient of the log-probabilities and log_softmax's fp32 input gradient
+        loss_extra = 2 * 4 * tokens * vocab
+    phases["loss backward"] = resident + activations + loss_extra
+
+    if per_layer_units:
+        # the encoder embedding's backward: every gradient shard, the gathered vocabulary
+        # unit, its unsharded gradient and the one being added to it, the previous layer's
+        # held reduce buffer; then its reduce-scatter (unsharded gradient into the reduce
+        # buffer, then the 1/N output)
+        end = grads + max(3 * b * vocab_unit + r * layer_unit,
+                          b * vocab_unit + r * vocab_unit,
+                          r * vocab_unit + r * vocab_unit / n)
+    else:
+        # one unit holds the model: its unsharded gradients next to the gathered copy, then
+        # one reduce-scatter of everything
+        end = max(2 * b * p, b * p + r * p, r * p + max(r * p / n, grads))
+    phases["end of backward"] = resident + end
+    if per_layer_units:
+        # first layer in backward: every activation, the vocabulary unit's reduce buffer
+        # still held, its gradient shard, two gathered layers, one layer being recomputed
+        phases["layer backward"] = (
+            resident + saved + kept_gathered + r * vocab_unit + 4 * vocab_unit / n
+            + 2 * b * layer_unit + recompute
+        )
+    # optimizer: every gradient, one fp32 temporary of the largest shard (Adam's denominator
+    # or the squared gradient of the norm)
+    largest_shard = 4 * (shape.largest_unit if per_layer_units else p) / n
+    phases["optimizer step"] = resident + grads + (0.0 if setup.cpu_offload else largest_shard)
+    peak_phase = max(phases, key=phases.__getitem__)
+    peak = phases[peak_phase]
+    temporaries = peak - params - grads - optimizer - buffers - activations
+    return Estimate(params, grads, optimizer, buffers, activations, temporaries, peak,
+                    peak_phase, host, phases)
+
+
+def comparison(shape: ModelShape, setup: TrainingSetup) -> dict[str, Estimate]:
+    """The three configurations side by side: unsharded (world size 1, the model gathered),
+    stock fairseq's policy (one root unit kept gathered, stock loss, N ranks), requested."""
+    plain = dict(chunked_loss=False, checkpoint_activations=False, cpu_offload=False,
+                 reduce_in_16_bit=False)
+    return {
+        "unsharded": estimate(shape, replace(setup, world_size=1, root_unit_only=True,
+                                             keep_root_gathered=True, **plain)),
+        "stock-policy": estimate(shape, replace(setup, root_unit_only=True,
+                                                keep_root_gathered=True, **plain)),
+        "requested": estimate(shape, setup),
+    }
+
+
+def helps_most(shape: ModelShape, setup: TrainingSetup) -> tuple[str, str, float] | None:
+    """(feature, flag, bytes saved) of the off feature that lowers the peak most, if any."""
+    base = estimate(shape, setup).peak
+    best = None
+    for name, (flag, change) in FEATURES.items():
+        if all(getattr(setup, key) == value for key, value in change.items()):
+            continue  # already on
+        saved = base - estimate(shape, replace(setup, **change)).peak
+        if saved > 0 and (best is None or saved > best[2]):
+            best = (name, flag, saved)
+    return best

@@ -1,0 +1,112 @@
+"""``fairseq-shard-estimate``: the analytic memory model against measured peaks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fairseq_shard_plugin.estimate import parser, run, shape_from_fairseq
+from fairseq_shard_plugin.memory_model import (
+    GIB,
+    ModelShape,
+    TrainingSetup,
+    estimate,
+    helps_most,
+    transformer_shape,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+MEASURED = REPO / "benchmarks" / "results" / "memory.json"
+SCRIPT = Path(sys.executable).parent / "fairseq-shard-estimate"
+TINY = ["--arch", "transformer", "--encoder-layers", "2", "--decoder-layers", "2",
+        "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
+        "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128",
+        "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+        "--share-all-embeddings"]
+
+
+@pytest.fixture(scope="module")
+def nllb_600m() -> ModelShape:
+    """The 600M shape, built by fairseq on the meta device (as the CLI does)."""
+    return shape_from_fairseq(parser().parse_args(["--arch", "nllb_dense_600m"]))
+
+
+def test_600m_has_615_1m_parameters(nllb_600m: ModelShape) -> None:
+    assert round(nllb_600m.parameters / 1e6, 1) == 615.1
+    assert round(nllb_600m.vocabulary_unit_parameters / 1e6, 1) == 262.4  # tied: one unit
+    assert nllb_600m.encoder_layer_parameters == 12_596_224
+    assert nllb_600m.decoder_layer_parameters == 16_796_672
+    assert transformer_shape(256_206, 12, 12, 1024, 4096, 16) == nllb_600m  # closed form
+
+
+def test_chunked_loss_helps_most_with_the_stock_loss_at_600m(nllb_600m: ModelShape) -> None:
+    setup = TrainingSetup(world_size=2, tokens=4096, precision="fp16")
+    feature, flag, saved = helps_most(nllb_600m, setup)
+    assert feature == "chunked loss"
+    assert "chunked_label_smoothed_cross_entropy" in flag
+    assert saved > 4 * GIB  # the tokens x 256K fp32 log-probabilities and their gradients
+
+
+def test_estimate_is_within_10_percent_of_the_measured_600m_peaks(
+    nllb_600m: ModelShape,
+) -> None:
+    if not MEASURED.exists():
+        pytest.skip("benchmarks/results/memory.json not produced yet (python -m benchmarks.memory)")
+    rows = {row["configuration"]: row for row in json.loads(MEASURED.read_text())}
+    plugin = rows["plugin"]
+    assert plugin["parameters"] == nllb_600m.parameters  # measured at the same shape
+    setup = TrainingSetup(world_size=plugin["world_size"], tokens=plugin["tokens"],
+                          precision=plugin["precision"])
+    stock = replace(setup, root_unit_only=True, keep_root_gathered=True)
+    expected = {"unsharded": replace(stock, world_size=1), "stock-policy": stock,
+                "plugin": setup}
+    for name, config in expected.items():
+        estimated = estimate(nllb_600m, config).peak / GIB
+        measured = rows[name]["peak_gib"]
+        assert abs(estimated - measured) / measured < 0.10, (name, estimated, measured)
+
+
+def test_estimate_matches_a_small_measured_step() -> None:
+    """A tiny model measured here by benchmarks/memory.py (fake process group of 2)."""
+    model = " ".join(TINY[:-1] + ["--encoder-normalize-before", "--decoder-normalize-before",
+                                  "--attention-dropout", "0.1"])
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory", "--only", "plugin", "--model", model,
+         "--vocabulary", "8000", "--tokens", "512", "--world-size", "2", "--precision",
+         "bf16"], cwd=REPO, capture_output=True, text=True, check=True)
+    measured = json.loads(completed.stdout.strip().splitlines()[-1])["peak_gib"]
+    report = run([*TINY, "--attention-dropout", "0.1", "--vocab", "8000", "--max-tokens",
+                  "512", "--world-size", "2", "--bf16"])
+    estimated = report["configurations"]["requested"]["peak_gib"]
+    assert abs(estimated - measured) / measured < 0.10, (estimated, measured)
+
+
+def test_cli_prints_three_configurations_and_json() -> None:
+    table = subprocess.run(
+        [str(SCRIPT), *TINY, "--vocab", "1000", "--max-tokens", "256", "--fp16"],
+        capture_output=True, text=True, check=True).stdout
+    for label in ("unsharded (1 rank)", "stock policy (2 ranks)", "this run (2 ranks)",
+                  "optimizer state", "activations", "temporaries", "peak", "Helps most:"):
+        assert label in table
+    report = json.loads(subprocess.run(
+        [str(SCRIPT), *TINY, "--vocab", "1000", "--max-tokens", "256", "--world-size", "4",
+         "--criterion", "chunked_label_smoothed_cross_entropy", "--json"],
+        capture_output=True, text=True, check=True).stdout)
+    requested = report["configurations"]["requested"]
+    state = requested["params_gib"] + requested["grads_gib"] + requested["optimizer_gib"]
+    assert requested["peak_gib"] > state
+    assert report["configurations"]["unsharded"]["params_gib"] == pytest.approx(
+        4 * requested["params_gib"])  # fp32 masters, sharded over 4 ranks
+
+
+def test_bad_input_is_one_line_naming_the_flag() -> None:
+    completed = subprocess.run([str(SCRIPT), *TINY, "--world-size", "0"],
+                               capture_output=True, text=True)
+    assert completed.returncode != 0
+    assert completed.stderr.strip().splitlines()[-1] == (
+        "fairseq-shard-estimate: error: --world-size must be at least 1, got 0")
