@@ -3,7 +3,11 @@
 The tokens x vocabulary logits never exist in full, neither in forward nor in backward:
 forward keeps only each token's log-sum-exp; backward recomputes one chunk of logits at a
 time and turns it into gradients for the hidden states and the projection weight at once.
-The arithmetic matches fairseq's ``label_smoothed_nll_loss`` on fp32 log-probabilities.
+The arithmetic matches fairseq's ``label_smoothed_nll_loss``: logits are computed in the
+projection weight's dtype (16 bits under mixed precision, as fairseq's output layer does) and
+normalised in fp32. With a 16-bit weight, the matrix products of backward also run in 16 bits
+and the weight gradient accumulates in the weight's dtype, so no fp32 copy of the vocabulary
+matrix or of its gradient is ever made.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import torch
 def _chunk_logits(
     features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    logits = features.float() @ weight.float().t()
-    return logits + bias.float() if bias is not None else logits
+    logits = features.to(weight.dtype) @ weight.t()
+    if bias is not None:
+        logits = logits + bias
+    return logits.float()
 
 
 class _ChunkedLabelSmoothedCrossEntropy(torch.autograd.Function):
@@ -65,7 +71,7 @@ class _ChunkedLabelSmoothedCrossEntropy(torch.autograd.Function):
         target_weight = 1.0 - ctx.eps - ctx.eps_i
         softmax_weight = target_weight + ctx.eps_i * vocabulary
         grad_features = torch.empty_like(features)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_weight = torch.zeros_like(weight)
         grad_bias = (
             torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
             if bias is not None else None
@@ -85,10 +91,11 @@ class _ChunkedLabelSmoothedCrossEntropy(torch.autograd.Function):
                 torch.full((chunk_target.numel(), 1), -target_weight, device=grad_logits.device),
             )
             grad_logits.mul_((mask.float() * scale).unsqueeze(-1))
-            grad_features[rows] = (grad_logits @ weight.float()).to(features.dtype)
-            grad_weight.addmm_(grad_logits.t(), features[rows].float())
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
+            grad_logits = grad_logits.to(weight.dtype)
+            grad_features[rows] = (grad_logits @ weight).to(features.dtype)
+            grad_weight.addmm_(grad_logits.t(), features[rows].to(weight.dtype))
             del grad_logits
         return (
             grad_features,

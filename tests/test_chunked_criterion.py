@@ -85,3 +85,28 @@ def test_peak_loss_memory_is_under_ten_percent_of_stock() -> None:
     logits_bytes = 1024 * 65536 * 4
     assert stock > 2 * logits_bytes  # logits, log-probabilities and their gradients
     assert fused <= 0.10 * stock, (fused, stock)
+
+
+def test_sixteen_bit_weights_match_stock_and_keep_gradients_in_their_dtype() -> None:
+    torch.manual_seed(0)
+    features = torch.randn(96, 32, dtype=torch.bfloat16, requires_grad=True)
+    weight = (0.3 * torch.randn(500, 32)).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(4, 500, (96,))
+    target[::7] = 1  # padding
+    results = []
+    for fused in (False, True):
+        features.grad = weight.grad = None
+        if fused:
+            loss, _, _ = chunked_label_smoothed_cross_entropy(
+                features, weight, None, target, 0.1, 1, chunk_tokens=40)
+        else:  # fairseq: 16-bit logits, fp32 log-probabilities
+            lprobs = torch.log_softmax((features @ weight.t()).float(), dim=-1)
+            loss, _ = label_smoothed_nll_loss(lprobs, target, 0.1, ignore_index=1)
+        loss.backward()
+        results.append((loss.detach(), features.grad.clone(), weight.grad.clone()))
+    (loss_a, features_a, weight_a), (loss_b, features_b, weight_b) = results
+    assert weight_b.dtype == features_b.dtype == torch.bfloat16
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-3, atol=0)
+    for got, expected in ((features_b, features_a), (weight_b, weight_a)):
+        scale = float(expected.float().abs().max())
+        torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=0.02 * scale)

@@ -1,0 +1,305 @@
+"""Per-rank peak memory of one training step, broken down, for each sharding configuration.
+
+Measures an N-rank job in one process per configuration: a fake process group of world
+size N (``torch.testing._internal.distributed.fake_pg``) makes every shard, all-gather and
+reduce-scatter buffer real while no other rank exists, so a 615M-parameter model can be
+measured at its full shape on one machine. Each configuration runs the plugin's real
+``ShardedTrainer.train_step`` (fairseq's task, model, criterion and Adam) on a synthetic batch
+and reads the plugin's own step meter: CUDA allocator statistics on a GPU, live tensor bytes
+on CPU. Loss values under a fake group are meaningless and are not reported.
+
+Breakdown (per rank, with Adam's state created before the measured step):
+  params / grads / optimizer: the fp32 master shards, their gradients and Adam's moments;
+  activations: bytes live when the loss is computed beyond the resident state (tensors saved
+  for backward, and parameters a unit keeps gathered);
+  temporaries: the rest of the peak (gathered parameters, unsharded gradients and reduction
+  buffers, logits and their gradients in backward).
+
+    python -m benchmarks.memory                       # NLLB 600M shape, 2 ranks, 4096 tokens
+    python -m benchmarks.memory --arch transformer --tokens 512 ...   # any fairseq arch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.harness import RESULTS, write_results
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One row of the table: a name, a world size, and the fairseq flags that make it."""
+
+    name: str
+    description: str
+    world_size: int | None  # None: the run's --world-size
+    flags: tuple[str, ...]
+
+
+STOCK_LOSS = ("--criterion", "label_smoothed_cross_entropy")
+CHUNKED_LOSS = ("--criterion", "chunked_label_smoothed_cross_entropy")
+CONFIGURATIONS = (
+    Configuration("unsharded", "DDP-like: one rank's full model state, nothing sharded", 1,
+                  ("--root-unit-only", "--keep-root-gathered", *STOCK_LOSS)),
+    Configuration("stock-policy", "stock fairseq's plan: one root unit, never resharded",
+                  None, ("--root-unit-only", "--keep-root-gathered", *STOCK_LOSS)),
+    Configuration("plugin", "plugin: per-layer units, tied vocabulary unit, root resharded",
+                  None, STOCK_LOSS),
+    Configuration("plugin+chunked-loss", "+ chunked_label_smoothed_cross_entropy", None,
+                  CHUNKED_LOSS),
+    Configuration("plugin+chunked-loss+ac", "+ --checkpoint-activations", None,
+                  (*CHUNKED_LOSS, "--checkpoint-activations")),
+)
+NLLB_600M = ("--arch", "nllb_dense_600m")
+
+
+def write_dictionary(directory: Path, vocabulary: int) -> None:
+    """A joined source/target dictionary with ``vocabulary`` entries (fairseq adds 4)."""
+    lines = "".join(f"w{i} 1\n" for i in range(vocabulary - 4))
+    for lang in ("src", "tgt"):
+        (directory / f"dict.{lang}.txt").write_text(lines)
+
+
+def fairseq_flags(data: Path, options: argparse.Namespace, config: Configuration) -> list[str]:
+    precision = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[options.precision]
+    return [
+        str(data), "--task", "sharded_translation", "--source-lang", "src",
+        "--target-lang", "tgt", *options.model, "--share-all-embeddings",
+        "--ddp-backend", "fully_sharded", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
+        "--adam-eps", "1e-6", "--lr", "1e-4", "--label-smoothing", "0.1", "--dropout", "0.1",
+        "--max-tokens", str(options.tokens), "--clip-norm", "1.0", *precision,
+        *(["--loss-chunk-tokens", str(options.loss_chunk_tokens)]
+          if "chunked_label_smoothed_cross_entropy" in config.flags else []),
+        *([] if options.cuda else ["--cpu"]), *config.flags,
+    ]
+
+
+def synthetic_batch(vocabulary: int, tokens: int, sentence: int, device: str) -> dict:
+    """``tokens`` source and target tokens in sentences of ``sentence`` tokens (no padding)."""
+    import torch
+
+    sentences = max(1, tokens // sentence)
+    generator = torch.Generator().manual_seed(0)
+    source = torch.randint(4, vocabulary, (sentences, sentence), generator=generator)
+    target = torch.randint(4, vocabulary, (sentences, sentence), generator=generator)
+    target[:, -1] = 2  # eos
+    previous = torch.cat([torch.full((sentences, 1), 2), target[:, :-1]], dim=1)
+    sample = {
+        "id": torch.arange(sentences), "nsentences": sentences, "ntokens": target.numel(),
+        "net_input": {"src_tokens": source, "src_lengths": torch.full((sentences,), sentence),
+                      "prev_output_tokens": previous},
+        "target": target,
+    }
+    return _to_device(sample, device)
+
+
+def _to_device(value: object, device: str) -> object:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    return value
+
+
+def measure_one(options: argparse.Namespace, config: Configuration) -> dict:
+    """Measure one step of ``config`` under a fake process group."""
+    import torch
+    import torch.distributed as dist
+    from fairseq import options as fairseq_options
+    from fairseq import tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fairseq_shard_plugin  # noqa: F401  (registers the plugin, as --user-dir does)
+    from fairseq_shard_plugin.memory import storage_bytes
+    from fairseq_shard_plugin.precision import untie_bf16_from_tpu
+    from fairseq_shard_plugin.trainer import ShardedTrainer
+
+    world_size = config.world_size or options.world_size
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    with tempfile.TemporaryDirectory() as data:
+        write_dictionary(Path(data), options.vocabulary)
+        parser = fairseq_options.get_training_parser()
+        args = fairseq_options.parse_args_and_arch(
+            parser, fairseq_flags(Path(data), options, config)
+        )
+        cfg = convert_namespace_to_omegaconf(args)
+        untie_bf16_from_tpu(cfg)  # as fairseq-train does with the plugin loaded
+        cfg.distributed_training.distributed_world_size = world_size
+        cfg.distributed_training.distributed_init_method = "fake://in-process"  # group exists
+        task = tasks.setup_task(cfg.task)
+        torch.manual_seed(0)
+        model = task.build_model(cfg.model)
+        parameters = sum(p.numel() for p in model.parameters())
+        trainer = ShardedTrainer(cfg, task, model, task.build_criterion(cfg.criterion))
+    device = "cuda" if options.cuda else "cpu"
+    sample = synthetic_batch(len(task.target_dictionary), options.tokens, options.sentence,
+                             device)
+    forward_live: list[int] = []
+    backward = trainer.optimizer.backward
+
+    def record_then_backward(loss: torch.Tensor) -> None:
+        meter = trainer._memory_probe._meter  # CPU: the live-tensor meter of this step
+        if meter is not None:
+            forward_live.append(meter.live_bytes)
+        elif options.cuda:
+            forward_live.append(torch.cuda.memory_allocated())
+        backward(loss)
+
+    trainer.optimizer.backward = record_then_backward
+    create_optimizer_state(trainer)
+    start = time.perf_counter()
+    trainer.train_step([sample])
+    seconds = time.perf_counter() - start
+    step = trainer._memory_probe.result
+    params = storage_bytes(trainer.model.parameters())
+    grads = storage_bytes(p.grad for p in trainer.optimizer.params if p.grad is not None)
+    optimizer_state = storage_bytes(
+        v for state in trainer.optimizer.optimizer.state.values()
+        for v in state.values() if isinstance(v, torch.Tensor)
+    )
+    buffers = storage_bytes(trainer.model.buffers())
+    activations = forward_live[-1] - params - optimizer_state - buffers
+    temporaries = step.peak_allocated - params - grads - optimizer_state - buffers - activations
+    return {
+        "configuration": config.name, "description": config.description,
+        "world_size": world_size, "parameters": parameters, "tokens": options.tokens,
+        "precision": options.precision, "device": device,
+        "peak_gib": step.peak_allocated / GIB,
+        "reserved_gib": None if step.peak_reserved is None else step.peak_reserved / GIB,
+        "params_gib": params / GIB, "grads_gib": grads / GIB,
+        "optimizer_gib": optimizer_state / GIB, "buffers_gib": buffers / GIB,
+        "activations_gib": activations / GIB, "temporaries_gib": temporaries / GIB,
+        "model_state_gib": (params + grads + optimizer_state) / GIB,
+        "step_seconds": seconds,
+    }
+
+
+def create_optimizer_state(trainer: object) -> None:
+    """Give Adam its state before the measured step, as in every step after the first:
+    one optimizer step on zero gradients, which leaves the parameters unchanged."""
+    import torch
+
+    params = trainer.optimizer.params
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad()
+
+
+def run_configuration(options: argparse.Namespace, config: Configuration) -> dict:
+    """Measure one configuration in a fresh process, so no configuration sees another's."""
+    command = [sys.executable, "-m", "benchmarks.memory", "--only", config.name,
+               *_forwarded(options)]
+    completed = subprocess.run(command, capture_output=True, text=True)
+    if completed.returncode != 0:
+        raise RuntimeError(f"{config.name} failed:\n{completed.stderr[-4000:]}")
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def _forwarded(options: argparse.Namespace) -> list[str]:
+    return ["--model", " ".join(options.model), "--vocabulary", str(options.vocabulary),
+            "--world-size", str(options.world_size), "--tokens", str(options.tokens),
+            "--sentence", str(options.sentence), "--precision", options.precision,
+            "--loss-chunk-tokens", str(options.loss_chunk_tokens),
+            *(["--cuda"] if options.cuda else [])]
+
+
+COLUMNS = [
+    ("configuration", "configuration"), ("ranks", "world_size"), ("peak", "peak"),
+    ("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
+    ("activations", "activations"), ("temporaries", "temporaries"),
+    ("model state", "model_state"), ("step (s)", "step_seconds"),
+]
+
+
+def table_rows(results: list[dict]) -> list[dict]:
+    keys = ("peak", "params", "grads", "optimizer", "activations", "temporaries", "model_state")
+    return [{**{key: round(row[f"{key}_gib"], 2) for key in keys},
+             "configuration": row["configuration"], "world_size": row["world_size"],
+             "step_seconds": round(row["step_seconds"], 1)} for row in results]
+
+
+def draw_chart(results: list[dict], path: Path) -> bool:
+    """A stacked bar per configuration; False when matplotlib is missing (``.[bench]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    parts = ("params", "grads", "optimizer", "activations", "temporaries")
+    figure, axes = plt.subplots(figsize=(9, 4.5))
+    names = [row["configuration"] for row in results]
+    bottom = [0.0] * len(results)
+    for part in parts:
+        values = [max(row[f"{part}_gib"], 0.0) for row in results]
+        axes.bar(names, values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    axes.set_ylabel("GiB per rank")
+    axes.set_title("Peak memory per rank, one training step")
+    axes.legend()
+    axes.tick_params(axis="x", labelrotation=15)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    return True
+
+
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=" ".join(NLLB_600M),
+                        help="fairseq model flags (default: --arch nllb_dense_600m)")
+    parser.add_argument("--vocabulary", type=int, default=256206)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank and step")
+    parser.add_argument("--sentence", type=int, default=64, help="tokens per sentence")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16",
+                        help="compute precision (fp16 matmuls are very slow on most CPUs; "
+                        "bf16 holds the same bytes)")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=1024,
+                        help="chunk size of the chunked criterion")
+    parser.add_argument("--cuda", action="store_true", help="measure on the current CUDA device")
+    parser.add_argument("--configurations", default=",".join(c.name for c in CONFIGURATIONS))
+    parser.add_argument("--name", default="memory", help="results file stem")
+    parser.add_argument("--only", help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    options.model = options.model.split()
+    return options
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = parse_options(argv)
+    by_name = {config.name: config for config in CONFIGURATIONS}
+    if options.only:
+        print(json.dumps(measure_one(options, by_name[options.only])))
+        return
+    results = []
+    for name in options.configurations.split(","):
+        results.append(run_configuration(options, by_name[name]))
+        print(f"{name}: peak {results[-1]['peak_gib']:.2f} GiB per rank", flush=True)
+    command = "python -m benchmarks.memory " + " ".join(
+        a if " " not in a else f"'{a}'" for a in _forwarded(options))
+    note = (f"GiB per rank, {options.tokens} tokens per rank, {options.precision} compute, "
+            f"fp32 master shards and Adam, measured on {results[0]['device']} with a fake "
+            f"process group. Produced by `{command}`.")
+    table = write_results(options.name, table_rows(results), COLUMNS, note)
+    (RESULTS / f"{options.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    if draw_chart(results, RESULTS / f"{options.name}.png"):
+        note += f" Chart: `benchmarks/results/{options.name}.png`."
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
