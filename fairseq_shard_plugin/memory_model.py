@@ -12,7 +12,7 @@ The model follows how the plugin holds memory (see ``precision.py``, ``engines/f
   its 1/N slice is kept;
 - fairseq's label-smoothed loss keeps fp32 log-probabilities (tokens x V x 4 B) and its
   backward holds two more tensors of that size at once; the chunked criterion holds one
-  chunk of fp32 logits, an fp32 V x d gradient accumulator and an fp32 copy of the weight;
+  chunk of logits (16-bit and fp32) and a V x d gradient accumulator in the weight's dtype;
 - saved activations per token and layer of fairseq's pre-norm transformer, measured on CPU
   (the attention there runs torch's math path, which keeps fp32 attention probabilities,
   their dropout noise and the dropped probabilities: 12 B per head and source token in
@@ -220,14 +220,17 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
     phases: dict[str, float] = {}
     if setup.chunked_loss:
         chunk = min(setup.loss_chunk_tokens, tokens)
-        # one chunk of fp32 logits, fp32 weight-gradient accumulator, fp32 copy of the
-        # weight for the matmul, chunk x d fp32 products, the hidden-state gradient
-        loss_extra = (4 * chunk * vocab + 2 * 4 * vocab * d + 4 * chunk * d
-                      + b * tokens * d + vocab_gathered)
+        # one chunk of logits in the compute dtype and in fp32 (16-bit compute), the
+        # weight-gradient accumulator in the weight's dtype, the hidden-state gradient
+        logits = 4 * chunk * vocab + (b * chunk * vocab if b < 4 else 0)
+        loss_extra = logits + b * vocab * d + b * tokens * d + vocab_gathered
     else:
         # fp32 gradient of the log-probabilities and log_softmax's fp32 input gradient
         loss_extra = 2 * 4 * tokens * vocab
     phases["loss backward"] = resident + activations + loss_extra
+    # then the output projection's gradient is reduce-scattered, all activations still live
+    phases["projection reduce"] = resident + saved + kept_gathered + max(
+        b * vocab * d + r * vocab_unit, r * vocab_unit + r * vocab_unit / n)
 
     if per_layer_units:
         # the encoder embedding's backward: every gradient shard, the gathered vocabulary
