@@ -58,6 +58,9 @@ CONFIGURATIONS = (
                   CHUNKED_LOSS),
     Configuration("plugin+chunked-loss+ac", "+ --checkpoint-activations", None,
                   (*CHUNKED_LOSS, "--checkpoint-activations")),
+    Configuration("plugin+chunked-loss+ac+16-bit-vocab-reduce",
+                  "+ --reduce-vocabulary-in-16-bit", None,
+                  (*CHUNKED_LOSS, "--checkpoint-activations", "--reduce-vocabulary-in-16-bit")),
 )
 NLLB_600M = ("--arch", "nllb_dense_600m")
 

@@ -50,6 +50,14 @@ class ShardingConfig(FairseqDataclass):
             "(halves gradient traffic; less precise)"
         },
     )
+    reduce_vocabulary_in_16_bit: bool = field(
+        default=False,
+        metadata={
+            "help": "with --fp16/--bf16, reduce-scatter only the vocabulary unit's gradient in "
+            "16 bits: its fp32 copy (vocabulary x d_model x 4 bytes) is the largest transient "
+            "at the end of backward"
+        },
+    )
     shard_strategy: SHARD_STRATEGIES = field(  # type: ignore[valid-type]
         default="full",
         metadata={

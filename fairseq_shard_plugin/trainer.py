@@ -101,6 +101,7 @@ class ShardedTrainer(Trainer):
             self.sharding_options.reduce_in_16_bit, cfg.model,
             shard_group_size(self.sharding_options, dist.get_world_size()),
             bool(cfg.distributed_training.cpu_offload),
+            self.sharding_options.reduce_vocabulary_in_16_bit,
         )
         sharded_model = self.engine.shard(model, self.sharding_plan)
         if self.compute_dtype is not None:

@@ -117,6 +117,9 @@ def check_fairscale_engine(cfg: Any) -> None:
     unsupported = {
         "--cpu-offload": cfg.distributed_training.cpu_offload,
         "--shard-strategy hybrid": getattr(cfg.task, "shard_strategy", "full") == "hybrid",
+        "--reduce-vocabulary-in-16-bit": bool(
+            getattr(cfg.task, "reduce_vocabulary_in_16_bit", False)
+        ),
         "--criterion chunked_label_smoothed_cross_entropy":
             getattr(cfg.criterion, "_name", None) == "chunked_label_smoothed_cross_entropy",
     }

@@ -35,6 +35,7 @@ class ShardUnit:
     name: str
     modules: tuple[nn.Module, ...]
     reshard_after_forward: bool = True
+    vocabulary: bool = False  # token embeddings / output projection (the largest unit)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def build_plan(
         ):
             candidates.append((name, module))
     vocabulary = [
-        ShardUnit("+".join(n for n, _ in group), tuple(m for _, m in group))
+        ShardUnit("+".join(n for n, _ in group), tuple(m for _, m in group), vocabulary=True)
         for group in _group_by_shared_parameters(candidates)
     ]
     return ShardingPlan(units=tuple(layers + vocabulary), root=root)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,8 @@ from fairseq import options, tasks
 
 import fairseq_shard_plugin  # noqa: F401  (registers the plugin, as --user-dir does)
 from fairseq_shard_plugin.wrap_policy import LAYER_CLASSES, build_plan
+
+REPO = Path(__file__).resolve().parents[1]
 
 SMALL = [
     "--encoder-layers", "2", "--decoder-layers", "3",
@@ -84,3 +89,17 @@ def test_root_unit_only_reproduces_stock_plan(corpus: Path) -> None:
     assert not plan.root.reshard_after_forward
     # learned positions and final norms stay in the root
     assert not any("embed_positions" in name for name in unit_names(model))
+
+
+def test_only_the_vocabulary_unit_reduces_in_16_bit_when_asked(corpus: Path) -> None:
+    command = [sys.executable, str(REPO / "tests" / "helpers" / "vocabulary_reduce_policy.py"),
+               str(corpus), "--task", "sharded_translation", "--arch", "transformer",
+               "--share-all-embeddings", *SMALL, "--bf16", "--cpu",
+               "--ddp-backend", "fully_sharded", "--optimizer", "adam", "--lr", "1e-3",
+               "--reduce-vocabulary-in-16-bit"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    reduce_dtypes = json.loads(completed.stdout.strip().splitlines()[-1])
+    vocabulary = [name for name in reduce_dtypes if "embed_tokens" in name]
+    assert len(vocabulary) == 1 and reduce_dtypes[vocabulary[0]] == "torch.bfloat16"
+    assert {d for n, d in reduce_dtypes.items() if n not in vocabulary} == {"torch.float32"}

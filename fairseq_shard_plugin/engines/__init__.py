@@ -46,19 +46,24 @@ class Fsdp2Engine:
 
     def __init__(self, device_type: str, compute_dtype: torch.dtype | None,
                  reduce_in_16_bit: bool, shard_group_size: int = 0,
-                 offload: bool = False) -> None:
+                 offload: bool = False, reduce_vocabulary_in_16_bit: bool = False) -> None:
         self.device_type = device_type
         self.compute_dtype, self.reduce_in_16_bit = compute_dtype, reduce_in_16_bit
         # ranks per shard group (0: all ranks; fewer: hybrid sharding), CPU offload
         self.shard_group_size, self.offload = shard_group_size, offload
+        self.reduce_vocabulary_in_16_bit = reduce_vocabulary_in_16_bit
 
     def shard(self, model: nn.Module, plan: ShardingPlan) -> nn.Module:
         mesh = fsdp2.sharding_mesh(
             self.device_type, self.shard_group_size or dist.get_world_size()
         )
+        vocabulary_policy = (
+            mixed_precision_policy(self.compute_dtype, True)
+            if self.reduce_vocabulary_in_16_bit else None
+        )
         fsdp2.apply_plan(plan, mesh,
                          mixed_precision_policy(self.compute_dtype, self.reduce_in_16_bit),
-                         offload=self.offload)
+                         offload=self.offload, vocabulary_mp_policy=vocabulary_policy)
         return model
 
     def grad_norm(self, params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -112,11 +117,12 @@ def build_engine(
     model_cfg: Any = None,
     shard_group_size: int = 0,
     offload: bool = False,
+    reduce_vocabulary_in_16_bit: bool = False,
 ) -> Engine:
     """The engine ``--shard-engine`` names, configured from the run's flags."""
     if name == "fsdp2":
         return Fsdp2Engine("cuda" if use_cuda else "cpu", compute_dtype, reduce_in_16_bit,
-                           shard_group_size, offload)
+                           shard_group_size, offload, reduce_vocabulary_in_16_bit)
     if name == "fairscale":
         from fairseq_shard_plugin.engines.fairscale import FairscaleSettings
 

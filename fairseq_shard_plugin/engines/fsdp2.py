@@ -54,14 +54,18 @@ def apply_plan(
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None = None,
     offload: bool = False,
+    vocabulary_mp_policy: MixedPrecisionPolicy | None = None,
 ) -> None:
     """Shard every unit of ``plan`` in place, inner units first, then the root.
 
     ``mp_policy`` casts gathered parameters for compute; the shards stay in their dtype.
+    ``vocabulary_mp_policy``, if given, replaces it for vocabulary units.
     With ``offload`` the shards (and their gradients) are kept on CPU.
     """
     mp_policy = mp_policy or MixedPrecisionPolicy()
     policy = offload_policy(offload, mesh)
     for unit in plan.units:
-        _shard_unit(unit, mesh, mp_policy, policy)
+        use_vocabulary_policy = unit.vocabulary and vocabulary_mp_policy is not None
+        _shard_unit(unit, mesh, vocabulary_mp_policy if use_vocabulary_policy else mp_policy,
+                    policy)
     _shard_unit(plan.root, mesh, mp_policy, policy)
