@@ -71,17 +71,24 @@ def test_estimate_is_within_10_percent_of_the_measured_600m_peaks(
         assert abs(estimated - measured) / measured < 0.10, (name, estimated, measured)
 
 
-def test_estimate_matches_a_small_measured_step() -> None:
+@pytest.mark.parametrize(("configuration", "flags"), [
+    ("plugin", []),  # peak in the stock loss's backward
+    ("plugin+chunked-loss+ac",  # peak once the layers' backward has started
+     ["--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
+      "--loss-chunk-tokens", "16"]),
+])
+def test_estimate_matches_a_small_measured_step(configuration: str, flags: list[str]) -> None:
     """A tiny model measured here by benchmarks/memory.py (fake process group of 2)."""
     model = " ".join(TINY[:-1] + ["--encoder-normalize-before", "--decoder-normalize-before",
                                   "--attention-dropout", "0.1"])
     completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.memory", "--only", "plugin", "--model", model,
+        [sys.executable, "-m", "benchmarks.memory", "--only", configuration, "--model", model,
          "--vocabulary", "8000", "--tokens", "512", "--world-size", "2", "--precision",
-         "bf16"], cwd=REPO, capture_output=True, text=True, check=True)
+         "bf16", "--loss-chunk-tokens", "16"],
+        cwd=REPO, capture_output=True, text=True, check=True)
     measured = json.loads(completed.stdout.strip().splitlines()[-1])["peak_gib"]
     report = run([*TINY, "--attention-dropout", "0.1", "--vocab", "8000", "--max-tokens",
-                  "512", "--world-size", "2", "--bf16"])
+                  "512", "--world-size", "2", "--bf16", *flags])
     estimated = report["configurations"]["requested"]["peak_gib"]
     assert abs(estimated - measured) / measured < 0.10, (estimated, measured)
 
