@@ -61,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--criterion", choices=(STOCK, CHUNKED), default=STOCK)
     p.add_argument("--loss-chunk-tokens", type=int, default=1024)
     for flag in ("root-unit-only", "keep-root-gathered", "checkpoint-activations",
-                 "cpu-offload", "reduce-in-16-bit"):
+                 "cpu-offload", "reduce-in-16-bit", "reduce-vocabulary-in-16-bit"):
         p.add_argument("--" + flag, action="store_true")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
@@ -92,6 +92,7 @@ def setup_from(options: argparse.Namespace) -> TrainingSetup:
         chunked_loss=options.criterion == CHUNKED, loss_chunk_tokens=options.loss_chunk_tokens,
         checkpoint_activations=options.checkpoint_activations, cpu_offload=options.cpu_offload,
         reduce_in_16_bit=options.reduce_in_16_bit,
+        reduce_vocabulary_in_16_bit=options.reduce_vocabulary_in_16_bit,
     )
 
 

@@ -110,6 +110,7 @@ class TrainingSetup:
     checkpoint_activations: bool = False
     cpu_offload: bool = False
     reduce_in_16_bit: bool = False
+    reduce_vocabulary_in_16_bit: bool = False  # only the vocabulary unit (per-layer plans)
 
     @property
     def compute_bytes(self) -> int:
@@ -118,6 +119,12 @@ class TrainingSetup:
     @property
     def reduce_bytes(self) -> int:
         return self.compute_bytes if self.reduce_in_16_bit else 4
+
+    @property
+    def vocabulary_reduce_bytes(self) -> int:
+        if self.reduce_vocabulary_in_16_bit and not self.root_unit_only:
+            return self.compute_bytes
+        return self.reduce_bytes
 
 
 # Features a user can turn on, with the flag that does it (for "helps most").
@@ -128,6 +135,8 @@ FEATURES: dict[str, tuple[str, dict]] = {
                      {"chunked_loss": True}),
     "activation checkpointing": ("--checkpoint-activations", {"checkpoint_activations": True}),
     "CPU offload": ("--cpu-offload", {"cpu_offload": True}),
+    "16-bit vocabulary reduction": ("--reduce-vocabulary-in-16-bit",
+                                    {"reduce_vocabulary_in_16_bit": True}),
     "16-bit reduction": ("--reduce-in-16-bit", {"reduce_in_16_bit": True}),
 }
 
@@ -195,6 +204,14 @@ def activation_bytes(shape: ModelShape, setup: TrainingSetup) -> tuple[float, fl
 def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
     """Per-rank peak memory of one training step (after the first: Adam's state exists)."""
     n, b, r = setup.world_size, setup.compute_bytes, setup.reduce_bytes
+    rv = setup.vocabulary_reduce_bytes  # the vocabulary unit's reduce dtype
+
+    def reduce_scatter(unit: int, bytes_: int) -> float:
+        """Peak of one unit's reduce-scatter: its unsharded gradient copied into the reduce
+        buffer, then the 1/N output (cast to the fp32 shard when reduced in 16 bits)."""
+        output = bytes_ * unit / n + (4 * unit / n if bytes_ < 4 else 0)
+        return max(b * unit + bytes_ * unit, bytes_ * unit + output)
+
     p, tokens, vocab, d = shape.parameters, setup.tokens, shape.vocabulary, shape.decoder_dim
     params, grads = 4 * p / n, 4 * p / n
     optimizer = 8 * p / n if setup.optimizer == "adam" else 0.0
@@ -230,26 +247,25 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
     phases["loss backward"] = resident + activations + loss_extra
     # then the output projection's gradient is reduce-scattered, all activations still live
     phases["projection reduce"] = resident + saved + kept_gathered + max(
-        b * vocab * d + r * vocab_unit, r * vocab_unit + r * vocab_unit / n)
+        b * vocab * d + rv * vocab_unit, reduce_scatter(vocab_unit, rv))
 
     if per_layer_units:
         # the encoder embedding's backward: every gradient shard, the gathered vocabulary
-        # unit, its unsharded gradient and the one being added to it, the previous layer's
-        # held reduce buffer; then its reduce-scatter (unsharded gradient into the reduce
-        # buffer, then the 1/N output)
-        end = grads + max(3 * b * vocab_unit + r * layer_unit,
-                          b * vocab_unit + r * vocab_unit,
-                          r * vocab_unit + r * vocab_unit / n)
+        # unit, its unsharded gradient and the one being added to it, the first encoder
+        # layer's reduce buffer (FSDP holds it until the next reduce-scatter); then the
+        # vocabulary unit's own reduce-scatter
+        end = grads + max(3 * b * vocab_unit + r * shape.encoder_layer_parameters,
+                          reduce_scatter(vocab_unit, rv))
     else:
         # one unit holds the model: its unsharded gradients next to the gathered copy, then
         # one reduce-scatter of everything
-        end = max(2 * b * p, b * p + r * p, r * p + max(r * p / n, grads))
+        end = max(2 * b * p, reduce_scatter(p, r))
     phases["end of backward"] = resident + end
     if per_layer_units:
         # first layer in backward: every activation, the vocabulary unit's reduce buffer
         # still held, its gradient shard, two gathered layers, one layer being recomputed
         phases["layer backward"] = (
-            resident + saved + kept_gathered + r * vocab_unit + 4 * vocab_unit / n
+            resident + saved + kept_gathered + rv * vocab_unit + 4 * vocab_unit / n
             + 2 * b * layer_unit + recompute
         )
     # optimizer: every gradient, one fp32 temporary of the largest shard (Adam's denominator
@@ -267,7 +283,7 @@ def comparison(shape: ModelShape, setup: TrainingSetup) -> dict[str, Estimate]:
     """The three configurations side by side: unsharded (world size 1, the model gathered),
     stock fairseq's policy (one root unit kept gathered, stock loss, N ranks), requested."""
     plain = dict(chunked_loss=False, checkpoint_activations=False, cpu_offload=False,
-                 reduce_in_16_bit=False)
+                 reduce_in_16_bit=False, reduce_vocabulary_in_16_bit=False)
     return {
         "unsharded": estimate(shape, replace(setup, world_size=1, root_unit_only=True,
                                              keep_root_gathered=True, **plain)),
