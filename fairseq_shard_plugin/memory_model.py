@@ -256,6 +256,12 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
         # vocabulary unit's own reduce-scatter
         end = grads + max(3 * b * vocab_unit + r * shape.encoder_layer_parameters,
                           reduce_scatter(vocab_unit, rv))
+        if b == 4:
+            # measured without mixed precision: the vocabulary unit's gradients are reduced
+            # once, at the end, and the last one is added out of place (a fourth V x d copy)
+            end = grads - 4 * vocab_unit / n + max(
+                4 * b * vocab_unit + r * shape.encoder_layer_parameters,
+                reduce_scatter(vocab_unit, rv))
     else:
         # one unit holds the model: its unsharded gradients next to the gathered copy, then
         # one reduce-scatter of everything
@@ -263,10 +269,11 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
     phases["end of backward"] = resident + end
     if per_layer_units:
         # first layer in backward: every activation, the vocabulary unit's reduce buffer
-        # still held, its gradient shard, two gathered layers, one layer being recomputed
+        # still held and its gradient shard (fp32 compute: its unsharded gradient, kept
+        # until the end), two gathered layers, one layer being recomputed
+        projection = b * vocab_unit if b == 4 else rv * vocab_unit + 4 * vocab_unit / n
         phases["layer backward"] = (
-            resident + saved + kept_gathered + rv * vocab_unit + 4 * vocab_unit / n
-            + 2 * b * layer_unit + recompute
+            resident + saved + kept_gathered + projection + 2 * b * layer_unit + recompute
         )
     # optimizer: every gradient, one fp32 temporary of the largest shard (Adam's denominator
     # or the squared gradient of the norm)
