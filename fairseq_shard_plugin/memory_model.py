@@ -245,9 +245,11 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
         # fp32 gradient of the log-probabilities and log_softmax's fp32 input gradient
         loss_extra = 2 * 4 * tokens * vocab
     phases["loss backward"] = resident + activations + loss_extra
-    # then the output projection's gradient is reduce-scattered, all activations still live
-    phases["projection reduce"] = resident + saved + kept_gathered + max(
-        b * vocab * d + rv * vocab_unit, reduce_scatter(vocab_unit, rv))
+    if per_layer_units and b < 4:
+        # then the output projection's gradient is reduce-scattered, activations still live
+        # (a root-only plan, and fp32 compute as measured, reduce it only at the end)
+        phases["projection reduce"] = resident + saved + max(
+            b * vocab * d + rv * vocab_unit, reduce_scatter(vocab_unit, rv))
 
     if per_layer_units:
         # the encoder embedding's backward: every gradient shard, the gathered vocabulary
