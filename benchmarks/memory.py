@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -206,6 +207,11 @@ def run_configuration(options: argparse.Namespace, config: Configuration) -> dic
     command = [sys.executable, "-m", "benchmarks.memory", "--only", config.name,
                *_forwarded(options)]
     completed = subprocess.run(command, capture_output=True, text=True)
+    if completed.returncode == -signal.SIGKILL:  # the kernel's out-of-memory killer
+        print(f"{config.name}: killed, out of host memory", file=sys.stderr)
+        return {"configuration": config.name, "description": config.description,
+                "world_size": config.world_size or options.world_size,
+                "out_of_memory": True}
     if completed.returncode != 0:
         raise RuntimeError(f"{config.name} failed:\n{completed.stderr[-4000:]}")
     return json.loads(completed.stdout.strip().splitlines()[-1])
@@ -228,10 +234,18 @@ COLUMNS = [
 
 
 def table_rows(results: list[dict]) -> list[dict]:
+    """Rounded rows; a configuration that did not fit in host memory reads n/a."""
     keys = ("peak", "params", "grads", "optimizer", "activations", "temporaries", "model_state")
-    return [{**{key: round(row[f"{key}_gib"], 2) for key in keys},
-             "configuration": row["configuration"], "world_size": row["world_size"],
-             "step_seconds": round(row["step_seconds"], 1)} for row in results]
+    rows = []
+    for row in results:
+        measured = not row.get("out_of_memory")
+        rows.append({
+            **{key: round(row[f"{key}_gib"], 2) if measured else None for key in keys},
+            "configuration": row["configuration"] + ("" if measured else " (out of host memory)"),
+            "world_size": row["world_size"],
+            "step_seconds": round(row["step_seconds"], 1) if measured else None,
+        })
+    return rows
 
 
 def draw_chart(results: list[dict], path: Path) -> bool:
@@ -244,7 +258,8 @@ def draw_chart(results: list[dict], path: Path) -> bool:
     except ImportError:
         return False
     parts = ("params", "grads", "optimizer", "activations", "temporaries")
-    figure, axes = plt.subplots(figsize=(9, 4.5))
+    results = [row for row in results if not row.get("out_of_memory")]
+    figure, axes = plt.subplots(figsize=(10, 4.5))
     names = [row["configuration"] for row in results]
     bottom = [0.0] * len(results)
     for part in parts:
@@ -271,7 +286,7 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16",
                         help="compute precision (fp16 matmuls are very slow on most CPUs; "
                         "bf16 holds the same bytes)")
-    parser.add_argument("--loss-chunk-tokens", type=int, default=1024,
+    parser.add_argument("--loss-chunk-tokens", type=int, default=512,
                         help="chunk size of the chunked criterion")
     parser.add_argument("--cuda", action="store_true", help="measure on the current CUDA device")
     parser.add_argument("--configurations", default=",".join(c.name for c in CONFIGURATIONS))
@@ -291,16 +306,19 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for name in options.configurations.split(","):
         results.append(run_configuration(options, by_name[name]))
-        print(f"{name}: peak {results[-1]['peak_gib']:.2f} GiB per rank", flush=True)
+        if not results[-1].get("out_of_memory"):
+            print(f"{name}: peak {results[-1]['peak_gib']:.2f} GiB per rank", flush=True)
     command = "python -m benchmarks.memory " + " ".join(
         a if " " not in a else f"'{a}'" for a in _forwarded(options))
+    device = "cuda" if options.cuda else "cpu"
     note = (f"GiB per rank, {options.tokens} tokens per rank, {options.precision} compute, "
-            f"fp32 master shards and Adam, measured on {results[0]['device']} with a fake "
-            f"process group. Produced by `{command}`.")
-    table = write_results(options.name, table_rows(results), COLUMNS, note)
-    (RESULTS / f"{options.name}.json").write_text(json.dumps(results, indent=2) + "\n")
+            f"fp32 master shards and Adam, measured on {device} with a fake process group. "
+            f"Produced by `{command}`.")
+    RESULTS.mkdir(parents=True, exist_ok=True)
     if draw_chart(results, RESULTS / f"{options.name}.png"):
         note += f" Chart: `benchmarks/results/{options.name}.png`."
+    table = write_results(options.name, table_rows(results), COLUMNS, note)
+    (RESULTS / f"{options.name}.json").write_text(json.dumps(results, indent=2) + "\n")
     print(table)
 
 
