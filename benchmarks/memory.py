@@ -116,8 +116,9 @@ def _to_device(value: object, device: str) -> object:
     return value
 
 
-def measure_one(options: argparse.Namespace, config: Configuration) -> dict:
-    """Measure one step of ``config`` under a fake process group."""
+def trainer_on_fake_group(fairseq_args: list[str], world_size: int) -> object:
+    """The plugin's ShardedTrainer for ``fairseq_args`` on a fake process group of
+    ``world_size`` ranks in this process (initialised here)."""
     import torch
     import torch.distributed as dist
     from fairseq import options as fairseq_options
@@ -126,27 +127,34 @@ def measure_one(options: argparse.Namespace, config: Configuration) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import fairseq_shard_plugin  # noqa: F401  (registers the plugin, as --user-dir does)
-    from fairseq_shard_plugin.memory import storage_bytes
     from fairseq_shard_plugin.precision import untie_bf16_from_tpu
     from fairseq_shard_plugin.trainer import ShardedTrainer
 
-    world_size = config.world_size or options.world_size
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    args = fairseq_options.parse_args_and_arch(fairseq_options.get_training_parser(),
+                                               fairseq_args)
+    cfg = convert_namespace_to_omegaconf(args)
+    untie_bf16_from_tpu(cfg)  # as fairseq-train does with the plugin loaded
+    cfg.distributed_training.distributed_world_size = world_size
+    cfg.distributed_training.distributed_init_method = "fake://in-process"  # group exists
+    task = tasks.setup_task(cfg.task)
+    torch.manual_seed(0)
+    model = task.build_model(cfg.model)
+    return ShardedTrainer(cfg, task, model, task.build_criterion(cfg.criterion))
+
+
+def measure_one(options: argparse.Namespace, config: Configuration) -> dict:
+    """Measure one step of ``config`` under a fake process group."""
+    import torch
+
+    from fairseq_shard_plugin.memory import storage_bytes
+
+    world_size = config.world_size or options.world_size
     with tempfile.TemporaryDirectory() as data:
         write_dictionary(Path(data), options.vocabulary)
-        parser = fairseq_options.get_training_parser()
-        args = fairseq_options.parse_args_and_arch(
-            parser, fairseq_flags(Path(data), options, config)
-        )
-        cfg = convert_namespace_to_omegaconf(args)
-        untie_bf16_from_tpu(cfg)  # as fairseq-train does with the plugin loaded
-        cfg.distributed_training.distributed_world_size = world_size
-        cfg.distributed_training.distributed_init_method = "fake://in-process"  # group exists
-        task = tasks.setup_task(cfg.task)
-        torch.manual_seed(0)
-        model = task.build_model(cfg.model)
-        parameters = sum(p.numel() for p in model.parameters())
-        trainer = ShardedTrainer(cfg, task, model, task.build_criterion(cfg.criterion))
+        trainer = trainer_on_fake_group(fairseq_flags(Path(data), options, config), world_size)
+    task = trainer.task
+    parameters = sum(p.numel() for p in trainer.model.parameters())
     device = "cuda" if options.cuda else "cpu"
     sample = synthetic_batch(len(task.target_dictionary), options.tokens, options.sentence,
                              device)

@@ -8,27 +8,14 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
-import torch.distributed as dist
-from fairseq import options, tasks
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-from torch.testing._internal.distributed.fake_pg import FakeStore
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from benchmarks.memory import trainer_on_fake_group  # noqa: E402
 
-import fairseq_shard_plugin  # noqa: F401  (registers the plugin, as --user-dir does)
-from fairseq_shard_plugin.precision import untie_bf16_from_tpu
-from fairseq_shard_plugin.trainer import ShardedTrainer
-
-dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-args = options.parse_args_and_arch(options.get_training_parser(), sys.argv[1:])
-cfg = convert_namespace_to_omegaconf(args)
-untie_bf16_from_tpu(cfg)
-cfg.distributed_training.distributed_world_size = 2
-cfg.distributed_training.distributed_init_method = "fake://in-process"
-task = tasks.setup_task(cfg.task)
-model = task.build_model(cfg.model)
-trainer = ShardedTrainer(cfg, task, model, task.build_criterion(cfg.criterion))
-report = {}
-for unit in trainer.sharding_plan.units:
-    policy = unit.modules[0]._get_fsdp_state()._mp_policy
-    report[unit.name] = str(policy.reduce_dtype)
+trainer = trainer_on_fake_group(sys.argv[1:], world_size=2)
+report = {
+    unit.name: str(unit.modules[0]._get_fsdp_state()._mp_policy.reduce_dtype)
+    for unit in trainer.sharding_plan.units
+}
 print(json.dumps(report))
