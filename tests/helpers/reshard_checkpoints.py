@@ -19,26 +19,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fairseq import options, tasks
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from sharded_setup import build_trainer
 
 import fairseq_shard_plugin  # noqa: F401  (registers the plugin, as --user-dir does)
 from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError
 from fairseq_shard_plugin.consolidate import read_full_state
 from fairseq_shard_plugin.full_state import gather_full_state
 from fairseq_shard_plugin.trainer import ShardedTrainer
-
-
-def build_trainer(fairseq_args: list[str]) -> ShardedTrainer:
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    args = options.parse_args_and_arch(options.get_training_parser(), fairseq_args)
-    cfg = convert_namespace_to_omegaconf(args)
-    cfg.distributed_training.distributed_world_size = dist.get_world_size()
-    task = tasks.setup_task(cfg.task)
-    torch.manual_seed(0)
-    model = task.build_model(cfg.model)
-    return ShardedTrainer(cfg, task, model, task.build_criterion(cfg.criterion))
 
 
 def gathered(trainer: ShardedTrainer) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -82,12 +69,12 @@ def refused(trainer: ShardedTrainer, checkpoint: str) -> dict[str, Any]:
 def main() -> None:
     report_path, spec = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
     fairseq_args = sys.argv[3:]
-    trainer = build_trainer(fairseq_args)
+    trainer, _, _ = build_trainer(fairseq_args)
     report: dict[str, Any] = {"world_size": dist.get_world_size(), "exact": [], "broken": []}
     for checkpoint in spec.get("broken", []):
         report["broken"].append(refused(trainer, checkpoint))
     if spec.get("other_arch"):
-        other = build_trainer(fairseq_args + spec["other_arch"])
+        other, _, _ = build_trainer(fairseq_args + spec["other_arch"])
         report["other_arch"] = refused(other, spec["exact"][0])
     extra_state = None
     for checkpoint in spec.get("exact", []):

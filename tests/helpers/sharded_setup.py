@@ -15,7 +15,8 @@ from fairseq_shard_plugin.trainer import ShardedTrainer
 
 def build_trainer(fairseq_args: list[str]) -> tuple[ShardedTrainer, Any, dict[str, torch.Tensor]]:
     """Return the trainer, the task, and the model's full parameters before sharding."""
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     args = options.parse_args_and_arch(options.get_training_parser(), fairseq_args)
     cfg = convert_namespace_to_omegaconf(args)
     cfg.distributed_training.distributed_world_size = dist.get_world_size()
