@@ -158,15 +158,10 @@ def measure_one(options: argparse.Namespace, config: Configuration) -> dict:
     device = "cuda" if options.cuda else "cpu"
     sample = synthetic_batch(len(task.target_dictionary), options.tokens, options.sentence,
                              device)
-    forward_live: list[int] = []
     backward = trainer.optimizer.backward
 
     def record_then_backward(loss: torch.Tensor) -> None:
-        meter = trainer._memory_probe._meter  # CPU: the live-tensor meter of this step
-        if meter is not None:
-            forward_live.append(meter.live_bytes)
-        elif options.cuda:
-            forward_live.append(torch.cuda.memory_allocated())
+        trainer._memory_probe.mark("forward")  # what the forward pass left alive
         backward(loss)
 
     trainer.optimizer.backward = record_then_backward
@@ -182,7 +177,7 @@ def measure_one(options: argparse.Namespace, config: Configuration) -> dict:
         for v in state.values() if isinstance(v, torch.Tensor)
     )
     buffers = storage_bytes(trainer.model.buffers())
-    activations = forward_live[-1] - params - optimizer_state - buffers
+    activations = step.marks["forward"] - params - optimizer_state - buffers
     temporaries = step.peak_allocated - params - grads - optimizer_state - buffers - activations
     return {
         "configuration": config.name, "description": config.description,

@@ -53,20 +53,26 @@ def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
 
 
 def log_step_memory(
-    step: StepMemory, state_bytes: int, device: torch.device, offloaded: bool = False
+    step: StepMemory | None, state_bytes: int, device: torch.device, offloaded: bool = False
 ) -> None:
     """All-reduce the rank's figures (MAX) and log them; every rank must call this.
 
+    ``step`` is None on a rank that could not measure the step (a torch profiler of the
+    user's was running); the others' figures are logged, or none if no rank measured.
     ``offloaded`` (``--cpu-offload``) adds the accelerator-side peak.
     """
-    reserved = step.peak_reserved if step.peak_reserved is not None else 0
-    on_device = step.peak_device if step.peak_device is not None else step.peak_allocated
-    peak, reserved, state, on_device = max_over_ranks(
-        [step.peak_allocated, reserved, state_bytes, on_device], device
-    )
-    _log_max(PEAK_KEY, peak / GIB, priority=900)
-    if step.peak_reserved is not None:
-        _log_max(RESERVED_KEY, reserved / GIB, priority=901)
+    if step is None:
+        values = [-1.0, -1.0, float(state_bytes), -1.0]
+    else:
+        on_device = step.peak_device if step.peak_device is not None else step.peak_allocated
+        reserved = step.peak_reserved if step.peak_reserved is not None else 0
+        values = [step.peak_allocated, reserved, state_bytes, on_device]
+    peak, reserved, state, on_device = max_over_ranks(values, device)
     _log_max(STATE_KEY, state / GIB, priority=902)
+    if peak < 0:
+        return
+    _log_max(PEAK_KEY, peak / GIB, priority=900)
+    if device.type == "cuda":
+        _log_max(RESERVED_KEY, reserved / GIB, priority=901)
     if offloaded:
         _log_max(DEVICE_KEY, on_device / GIB, priority=903)

@@ -1,20 +1,25 @@
-"""The live-tensor meter counts real allocations, frees and FSDP-style storage resizes."""
+"""The live-tensor meter counts real allocations, frees and FSDP-style storage resizes,
+from the CPU allocator's events, without changing what autograd does."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from fairseq_shard_plugin.memory import LiveTensorMeter, storage_bytes
+from fairseq_shard_plugin.memory import LiveTensorMeter, StepMemoryProbe, storage_bytes
 
 
 def test_counts_resident_and_new_tensors_and_frees() -> None:
     weight = torch.randn(256, 256)
     with LiveTensorMeter([weight]) as meter:
-        assert meter.live_bytes == 256 * 256 * 4
+        meter.mark("start")
         activation = torch.randn(512, 256)  # +512 KiB
         product = activation @ weight  # +512 KiB
+        meter.mark("both")
         del activation, product
-        assert meter.live_bytes == 256 * 256 * 4
+        meter.mark("end")
+    assert meter.marks == {"start": 256 * 256 * 4, "both": (256 * 256 + 2 * 512 * 256) * 4,
+                           "end": 256 * 256 * 4}
     assert meter.peak_bytes == (256 * 256 + 2 * 512 * 256) * 4
 
 
@@ -22,18 +27,47 @@ def test_views_share_storage_and_are_counted_once() -> None:
     with LiveTensorMeter() as meter:
         base = torch.zeros(1000)
         views = [base[i:] for i in range(10)]
-        assert meter.live_bytes == 4000
-    assert len(views) == 10 and meter.peak_bytes == 4000
+        meter.mark("views")
+    assert len(views) == 10 and meter.peak_bytes == 4000 == meter.marks["views"]
 
 
 def test_follows_storage_resize_like_fsdp_reshard() -> None:
     with LiveTensorMeter() as meter:
         gathered = torch.empty(1000)
         gathered.untyped_storage().resize_(0)  # FSDP frees a gathered parameter this way
-        assert meter.live_bytes == 0
+        meter.mark("freed")
         gathered.untyped_storage().resize_(8000)  # and regrows it before the next use
-        assert meter.live_bytes == 8000
+        meter.mark("regrown")
+    assert meter.marks == {"freed": 0, "regrown": 8000}
     assert meter.peak_bytes == 8000
+
+
+def test_metering_leaves_autograd_gradient_accumulation_in_place() -> None:
+    """A weight used three times (like a tied vocabulary matrix) has its gradients summed in
+    place by autograd; a dispatch-mode meter would make that sum out of place (+1 copy)."""
+    weight = torch.randn(4096, 256, requires_grad=True)  # 4 MiB
+    tokens = torch.randint(0, 4096, (16,))
+    with LiveTensorMeter([weight]) as meter:
+        uses = [F.embedding(tokens, weight) for _ in range(3)]
+        sum(use.sum() for use in uses).backward()
+    weight_bytes = 4096 * 256 * 4
+    assert weight.grad is not None
+    # the weight, the gradient summed so far and the one being added; small tensors aside
+    assert 3 * weight_bytes <= meter.peak_bytes < 3.25 * weight_bytes
+
+
+def test_probe_records_marks_and_skips_steps_it_cannot_measure() -> None:
+    probe = StepMemoryProbe(torch.device("cpu"))
+    probe.start([])
+    probe.mark("before")
+    tensor = torch.zeros(256)
+    probe.mark("after")
+    step = probe.stop()
+    assert step is not None and step.marks == {"before": 0, "after": 1024}
+    assert tensor.numel() == 256
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        probe.start([])  # the user's own profiler owns the allocator events
+        assert probe.stop() is None
 
 
 def test_storage_bytes_counts_shared_storage_once() -> None:
