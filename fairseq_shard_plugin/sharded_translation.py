@@ -7,6 +7,7 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from fairseq_shard_plugin.options import ShardingConfig
+from fairseq_shard_plugin.resumable_batches import EpochIndependentBatches
 
 
 @dataclass
@@ -15,5 +16,6 @@ class ShardedTranslationConfig(TranslationConfig, ShardingConfig):
 
 
 @register_task("sharded_translation", dataclass=ShardedTranslationConfig)
-class ShardedTranslationTask(TranslationTask):
-    """Identical to ``translation``; its config carries the sharding options."""
+class ShardedTranslationTask(EpochIndependentBatches, TranslationTask):
+    """``translation`` whose config carries the sharding options, and whose batches do not
+    depend on the epoch a training resumed in (:mod:`.resumable_batches`)."""
