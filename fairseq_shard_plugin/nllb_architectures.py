@@ -8,6 +8,12 @@ Pre-norm encoder-decoder transformers with all embeddings shared and 16 attentio
 | nllb_dense_1_3b | 24+24 | 1024 | 8192 | 1.37B |
 | nllb_dense_3_3b | 24+24 | 2048 | 8192 | 3.34B |
 
+The NLLB recipe (fairseq's ``nllb`` branch, ``examples/nllb/modeling``) names these shapes
+``transformer_12_12``, ``transformer_24_24`` and ``transformer_24_24_big``: its sweep script
+turns those grid names into ``--arch transformer`` plus size flags, so fairseq itself never
+defines them. They are registered here as the same architectures, so an ``arch`` copied from
+a recipe config works as ``--arch``.
+
 Every value can still be overridden from the command line, as with any fairseq architecture.
 """
 
@@ -34,15 +40,18 @@ def _nllb_dense(args: Namespace, layers: int, dim: int, ffn: int) -> None:
 
 
 @register_model_architecture("transformer", "nllb_dense_600m")
+@register_model_architecture("transformer", "transformer_12_12")
 def nllb_dense_600m(args: Namespace) -> None:
     _nllb_dense(args, layers=12, dim=1024, ffn=4096)
 
 
 @register_model_architecture("transformer", "nllb_dense_1_3b")
+@register_model_architecture("transformer", "transformer_24_24")
 def nllb_dense_1_3b(args: Namespace) -> None:
     _nllb_dense(args, layers=24, dim=1024, ffn=8192)
 
 
 @register_model_architecture("transformer", "nllb_dense_3_3b")
+@register_model_architecture("transformer", "transformer_24_24_big")
 def nllb_dense_3_3b(args: Namespace) -> None:
     _nllb_dense(args, layers=24, dim=2048, ffn=8192)

@@ -32,7 +32,11 @@ def transformer_parameters(layers: int, dim: int, ffn: int) -> int:
     ("arch", "shape", "published"),
     [("nllb_dense_600m", (12, 1024, 4096), 615.1e6),
      ("nllb_dense_1_3b", (24, 1024, 8192), 1.37e9),
-     ("nllb_dense_3_3b", (24, 2048, 8192), 3.34e9)],
+     ("nllb_dense_3_3b", (24, 2048, 8192), 3.34e9),
+     # the NLLB recipe's names for the same shapes
+     ("transformer_12_12", (12, 1024, 4096), 615.1e6),
+     ("transformer_24_24", (24, 1024, 8192), 1.37e9),
+     ("transformer_24_24_big", (24, 2048, 8192), 3.34e9)],
 )
 def test_nllb_architectures_have_their_published_sizes(
     corpus: Path, arch: str, shape: tuple[int, int, int], published: float
