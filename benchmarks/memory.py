@@ -5,8 +5,9 @@ size N (``torch.testing._internal.distributed.fake_pg``) makes every shard, all-
 reduce-scatter buffer real while no other rank exists, so a 615M-parameter model can be
 measured at its full shape on one machine. Each configuration runs the plugin's real
 ``ShardedTrainer.train_step`` (fairseq's task, model, criterion and Adam) on a synthetic batch
-and reads the plugin's own step meter: CUDA allocator statistics on a GPU, live tensor bytes
-on CPU. Loss values under a fake group are meaningless and are not reported.
+and reads the plugin's own step meter: CUDA allocator statistics on a GPU; on CPU the CPU
+allocator's own events (``allocator_meter.AllocatorMeter``). Loss values under a fake group
+are meaningless and are not reported.
 
 Breakdown (per rank, with Adam's state created before the measured step):
   params / grads / optimizer: the fp32 master shards, their gradients and Adam's moments;
@@ -62,6 +63,9 @@ CONFIGURATIONS = (
     Configuration("plugin+chunked-loss+ac+16-bit-vocab-reduce",
                   "+ --reduce-vocabulary-in-16-bit", None,
                   (*CHUNKED_LOSS, "--checkpoint-activations", "--reduce-vocabulary-in-16-bit")),
+    Configuration("plugin+chunked-loss+ac+offload",
+                  "+ --cpu-offload: shards, gradients and optimizer state on the host", None,
+                  (*CHUNKED_LOSS, "--checkpoint-activations", "--cpu-offload")),
 )
 NLLB_600M = ("--arch", "nllb_dense_600m")
 
@@ -78,8 +82,10 @@ def fairseq_flags(data: Path, options: argparse.Namespace, config: Configuration
     return [
         str(data), "--task", "sharded_translation", "--source-lang", "src",
         "--target-lang", "tgt", *options.model, "--share-all-embeddings",
-        "--ddp-backend", "fully_sharded", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
-        "--adam-eps", "1e-6", "--lr", "1e-4", "--label-smoothing", "0.1", "--dropout", "0.1",
+        "--ddp-backend", "fully_sharded", "--optimizer", options.optimizer,
+        *(["--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-6"]
+          if options.optimizer == "adam" else []),
+        "--lr", "1e-4", "--label-smoothing", "0.1", "--dropout", "0.1",
         "--max-tokens", str(options.tokens), "--clip-norm", "1.0", *precision,
         *(["--loss-chunk-tokens", str(options.loss_chunk_tokens)]
           if "chunked_label_smoothed_cross_entropy" in config.flags else []),
@@ -147,6 +153,7 @@ def measure_one(options: argparse.Namespace, config: Configuration) -> dict:
     """Measure one step of ``config`` under a fake process group."""
     import torch
 
+    from fairseq_shard_plugin.allocator_meter import AllocatorMeter
     from fairseq_shard_plugin.memory import storage_bytes
 
     world_size = config.world_size or options.world_size
@@ -154,6 +161,8 @@ def measure_one(options: argparse.Namespace, config: Configuration) -> dict:
         write_dictionary(Path(data), options.vocabulary)
         trainer = trainer_on_fake_group(fairseq_flags(Path(data), options, config), world_size)
     task = trainer.task
+    if not options.cuda:  # exact on this single-threaded fake group, see allocator_meter.py
+        trainer._memory_probe.use_meter(AllocatorMeter)
     parameters = sum(p.numel() for p in trainer.model.parameters())
     device = "cuda" if options.cuda else "cpu"
     sample = synthetic_batch(len(task.target_dictionary), options.tokens, options.sentence,
@@ -184,6 +193,8 @@ def measure_one(options: argparse.Namespace, config: Configuration) -> dict:
         "world_size": world_size, "parameters": parameters, "tokens": options.tokens,
         "precision": options.precision, "device": device,
         "peak_gib": step.peak_allocated / GIB,
+        # accelerator-side: without the host-side state of --cpu-offload (else the peak)
+        "device_gib": step.peak_device / GIB,
         "reserved_gib": None if step.peak_reserved is None else step.peak_reserved / GIB,
         "params_gib": params / GIB, "grads_gib": grads / GIB,
         "optimizer_gib": optimizer_state / GIB, "buffers_gib": buffers / GIB,
@@ -225,11 +236,12 @@ def _forwarded(options: argparse.Namespace) -> list[str]:
             "--world-size", str(options.world_size), "--tokens", str(options.tokens),
             "--sentence", str(options.sentence), "--precision", options.precision,
             "--loss-chunk-tokens", str(options.loss_chunk_tokens),
-            *(["--cuda"] if options.cuda else [])]
+            "--optimizer", options.optimizer, *(["--cuda"] if options.cuda else [])]
 
 
 COLUMNS = [
     ("configuration", "configuration"), ("ranks", "world_size"), ("peak", "peak"),
+    ("device", "device"),
     ("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
     ("activations", "activations"), ("temporaries", "temporaries"),
     ("model state", "model_state"), ("step (s)", "step_seconds"),
@@ -238,7 +250,8 @@ COLUMNS = [
 
 def table_rows(results: list[dict]) -> list[dict]:
     """Rounded rows; a configuration that did not fit in host memory reads n/a."""
-    keys = ("peak", "params", "grads", "optimizer", "activations", "temporaries", "model_state")
+    keys = ("peak", "device", "params", "grads", "optimizer", "activations", "temporaries",
+            "model_state")
     rows = []
     for row in results:
         measured = not row.get("out_of_memory")
@@ -291,6 +304,9 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
                         "bf16 holds the same bytes)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=512,
                         help="chunk size of the chunked criterion")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                        help="sgd (no state) measures models whose Adam state would not fit "
+                        "this host's memory; under --cpu-offload the state is host-side only")
     parser.add_argument("--cuda", action="store_true", help="measure on the current CUDA device")
     parser.add_argument("--configurations", default=",".join(c.name for c in CONFIGURATIONS))
     parser.add_argument("--name", default="memory", help="results file stem")
@@ -314,8 +330,10 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m benchmarks.memory " + " ".join(
         a if " " not in a else f"'{a}'" for a in _forwarded(options))
     device = "cuda" if options.cuda else "cpu"
+    optimizer = "Adam" if options.optimizer == "adam" else "SGD (no optimizer state)"
     note = (f"GiB per rank, {options.tokens} tokens per rank, {options.precision} compute, "
-            f"fp32 master shards and Adam, measured on {device} with a fake process group. "
+            f"fp32 master shards, {optimizer}, measured on {device} with a fake process "
+            f"group; device: the peak without the host-side state of --cpu-offload. "
             f"Produced by `{command}`.")
     RESULTS.mkdir(parents=True, exist_ok=True)
     if draw_chart(results, RESULTS / f"{options.name}.png"):

@@ -26,6 +26,13 @@ def _chunk_logits(
     return logits.float()
 
 
+def _log_sum_exp_in_place(logits: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` over the last dimension, overwriting ``logits`` instead of allocating
+    temporaries of its size (``torch.logsumexp`` holds two more fp32 chunks on CPU)."""
+    maxima = logits.amax(dim=-1, keepdim=True)
+    return logits.sub_(maxima).exp_().sum(-1).log_().add_(maxima.squeeze(-1))
+
+
 class _ChunkedLabelSmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -48,13 +55,14 @@ class _ChunkedLabelSmoothedCrossEntropy(torch.autograd.Function):
         for start in range(0, target.numel(), chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             logits = _chunk_logits(features[rows], weight, bias)
-            lse = torch.logsumexp(logits, dim=-1)
-            log_normalizers[rows] = lse
             mask = keep[rows]
             target_logit = logits.gather(-1, target[rows].clamp(min=0).unsqueeze(-1)).squeeze(-1)
-            nll -= ((target_logit - lse) * mask).sum()
-            smooth -= ((logits.sum(-1) - vocabulary * lse) * mask).sum()
+            logit_sum = logits.sum(-1)
             correct += (logits.argmax(-1).eq(target[rows]) & mask).sum()
+            lse = _log_sum_exp_in_place(logits)
+            log_normalizers[rows] = lse
+            nll -= ((target_logit - lse) * mask).sum()
+            smooth -= ((logit_sum - vocabulary * lse) * mask).sum()
             del logits
         ctx.save_for_backward(features, weight, bias, target, log_normalizers)
         ctx.eps, ctx.eps_i, ctx.ignore_index, ctx.chunk_tokens = (

@@ -1,33 +1,34 @@
 """Per-rank memory measurement: CUDA allocator statistics, or live CPU tensor bytes.
 
 PyTorch keeps no allocator statistics for CPU tensors, so on CPU the peak is measured by
-:class:`LiveTensorMeter` from the CPU allocator's own event stream (the torch profiler with
-memory profiling records every allocation and free with its address and size). Unlike a
-dispatch-mode meter, it does not change what it measures: under any ``TorchDispatchMode``,
-autograd sums the gradients of a tensor used several times out of place, which at the NLLB
-shape adds a whole extra copy of the 256K x d vocabulary gradient (0.49 GiB) to the peak.
+:class:`LiveTensorMeter`, a dispatch mode that sees every tensor an operator returns and
+counts the bytes of each distinct storage until Python frees it. FSDP frees and regrows
+gathered parameters with ``UntypedStorage.resize_``, which the dispatcher does not see, so
+the meter also follows resizes while it is active. Its frees come from Python's reference
+counting, so tensors released by communication threads are followed too; but a dispatch mode
+changes what autograd does (a tensor used several times gets its gradients summed out of
+place) and does not see buffers allocated inside operators. ``allocator_meter`` has the
+exact single-threaded alternative that ``benchmarks/memory.py`` uses.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any
 
 import torch
-from torch.autograd.profiler import record_function
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 GIB = 1024**3
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-_MARKER = "fairseq_shard_plugin.meter"
 
 
 def tensor_storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
@@ -56,141 +57,133 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-class MeterUnavailable(RuntimeError):
-    """Another torch profiler is running, so the CPU allocator's events are not ours to read."""
+class _ResizeWatch:
+    """Reference-counted patch of ``UntypedStorage.resize_`` that notifies active meters."""
+
+    meters: list[LiveTensorMeter] = []
+    original = None
+
+    @classmethod
+    def add(cls, meter: LiveTensorMeter) -> None:
+        if not cls.meters:
+            cls.original = torch.UntypedStorage.resize_
+            original = cls.original
+
+            def resize_(storage: torch.UntypedStorage, size: int):  # type: ignore[no-untyped-def]
+                result = original(storage, size)
+                for active in cls.meters:
+                    active.resized(storage)
+                return result
+
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        cls.meters.append(meter)
+
+    @classmethod
+    def remove(cls, meter: LiveTensorMeter) -> None:
+        cls.meters.remove(meter)
+        if not cls.meters:
+            torch.UntypedStorage.resize_ = cls.original  # type: ignore[method-assign]
 
 
-class _Event(NamedTuple):
-    time_ns: int
-    order: int
-    pointer: int = 0  # allocations and frees
-    size: int = 0  # bytes: positive for an allocation, negative for a free
-    marker: str = ""  # a meter marker's name, without the prefix
-
-
-def _allocator_events(result: object) -> list[_Event]:
-    """Every CPU allocation, free and meter marker of a profiling session, in time order."""
-    events: list[_Event] = []
-    pending = list(result.experimental_event_tree())  # type: ignore[attr-defined]
-    while pending:
-        event = pending.pop()
-        pending.extend(event.children)
-        if event.tag == torch._C._profiler._EventType.Allocation:
-            fields = event.extra_fields
-            if fields.device.type == "cpu":
-                events.append(_Event(event.start_time_ns, len(events), fields.ptr,
-                                     fields.alloc_size))
-        elif event.name.startswith(_MARKER):
-            events.append(_Event(event.start_time_ns, len(events),
-                                 marker=event.name[len(_MARKER) + 1:]))
-    events.sort(key=lambda e: (e.time_ns, e.order))
-    return events
-
-
-class LiveTensorMeter:
-    """Peak live CPU tensor bytes of a code region; use as a context manager around it.
+class LiveTensorMeter(TorchDispatchMode):
+    """Track live CPU tensor bytes and their peak while active.
 
     ``resident`` tensors that already exist (parameters, gradients, optimizer state) are
-    counted from the start. The allocator's events are replayed when the region ends, so the
-    figures (``peak_bytes``, ``device_peak_bytes``, ``marks``) exist only after it.
+    counted from the start. Use as a context manager around the code to measure.
 
-    For CPU offload, storages can be marked as host-side (``host`` tensors, :meth:`mark_host`,
-    everything allocated while ``host_phase`` is set): ``device_peak_bytes`` is the peak of
-    the live bytes without them, i.e. what an accelerator would have held.
+    For CPU offload, storages can be marked as host-side (:meth:`mark_host`, ``host``
+    tensors, everything allocated while ``host_phase`` is set): ``device_peak_bytes`` is
+    the peak of the live bytes without them, i.e. what an accelerator would have held.
     """
 
     def __init__(
         self, resident: Iterable[torch.Tensor] = (), host: Iterable[torch.Tensor] = ()
     ) -> None:
-        self._initial: dict[int, tuple[int, bool]] = {}  # pointer -> (bytes, host-side)
-        for tensors, on_host in ((resident, False), (host, True)):
-            for tensor in tensors:
-                for storage in tensor_storages(tensor):
-                    if storage.device.type == "cpu" and storage.nbytes():
-                        self._initial[storage.data_ptr()] = (storage.nbytes(), on_host)
+        super().__init__()
+        # id(storage) -> [weak reference, counted bytes, host-side]. PyTorch keeps one
+        # Python object per live storage, and the weak reference's callback drops the entry
+        # before that id can be reused, so ids identify storages while they are tracked.
+        self._tracked: dict[int, list] = {}
+        self.live_bytes = 0
         self.peak_bytes = 0
-        self.device_peak_bytes = 0
         self.host_bytes = 0
-        self._host_phase = False
-        self._marks: dict[str, int] = {}
-        self._profile: profile | None = None
+        self.device_peak_bytes = 0
+        self.host_phase = False
+        self.marks: dict[str, int] = {}
+        for tensor in resident:
+            self._track(tensor)
+        for tensor in host:
+            self.mark_host(tensor)
 
     def __enter__(self) -> LiveTensorMeter:
-        if torch.autograd.profiler._is_profiler_enabled:
-            raise MeterUnavailable("a torch profiler is already running")
-        # libkineto prints two lines per profiling session unless told otherwise
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._profile.__enter__()
-        return self
+        _ResizeWatch.add(self)
+        return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        assert self._profile is not None, "__exit__ without __enter__"
-        self._profile.__exit__(None, None, None)
-        self._replay(_allocator_events(self._profile.profiler.kineto_results))
-        self._profile = None
+        super().__exit__(*exc)
+        _ResizeWatch.remove(self)
 
-    @property
-    def active(self) -> bool:
-        return self._profile is not None
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self._track(out)
+        else:
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    self._track(leaf)
+        return out
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        for storage in tensor_storages(tensor):
+            if storage.device.type != "cpu":
+                continue
+            entry = self._tracked.get(id(storage))
+            if entry is None:
+                key = id(storage)
+                ref = weakref.ref(storage, lambda _, key=key: self._freed(key))
+                entry = [ref, 0, self.host_phase]
+                self._tracked[key] = entry
+            self._set(entry, storage.nbytes())
 
     def mark(self, name: str) -> None:
         """Remember the live bytes at this moment, under ``name`` in :attr:`marks`."""
-        if self.active:
-            with record_function(f"{_MARKER}:mark:{name}"):
-                pass
-
-    @property
-    def marks(self) -> dict[str, int]:
-        """Live bytes at each :meth:`mark`, by name (after the region)."""
-        return dict(self._marks)
+        self.marks[name] = self.live_bytes
 
     def mark_host(self, tensor: torch.Tensor) -> None:
         """Count the storages behind ``tensor`` as host-side from now on."""
-        if self.active:
-            for storage in tensor_storages(tensor):
-                with record_function(f"{_MARKER}:host:{storage.data_ptr()}"):
-                    pass
+        host_phase, self.host_phase = self.host_phase, True
+        try:
+            self._track(tensor)  # new entries start host-side
+        finally:
+            self.host_phase = host_phase
+        for storage in tensor_storages(tensor):
+            entry = self._tracked.get(id(storage))
+            if entry is not None and not entry[2]:
+                entry[2] = True
+                self.host_bytes += entry[1]
 
-    @property
-    def host_phase(self) -> bool:
-        return self._host_phase
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        entry = self._tracked.get(id(storage))
+        if entry is not None:
+            self._set(entry, storage.nbytes())
 
-    @host_phase.setter
-    def host_phase(self, value: bool) -> None:
-        """While set, new allocations are host-side (an optimizer step on offloaded state)."""
-        self._host_phase = value
-        if self.active:
-            with record_function(f"{_MARKER}:phase:{int(value)}"):
-                pass
+    def _set(self, entry: list, nbytes: int) -> None:
+        change = nbytes - entry[1]
+        self.live_bytes += change
+        entry[1] = nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        if entry[2]:
+            self.host_bytes += change
+        elif self.live_bytes - self.host_bytes > self.device_peak_bytes:
+            self.device_peak_bytes = self.live_bytes - self.host_bytes
 
-    def _replay(self, events: list[_Event]) -> None:
-        live = {ptr: list(entry) for ptr, entry in self._initial.items()}
-        live_bytes = sum(nbytes for nbytes, _ in live.values())
-        host_bytes = sum(nbytes for nbytes, on_host in live.values() if on_host)
-        peak, device_peak, host_phase = live_bytes, live_bytes - host_bytes, False
-        for event in events:
-            if event.marker:
-                action, _, value = event.marker.partition(":")
-                if action == "mark":
-                    self._marks[value] = live_bytes
-                elif action == "phase":
-                    host_phase = value == "1"
-                elif (entry := live.get(int(value))) is not None and not entry[1]:
-                    entry[1] = True  # action "host": a storage moved to the host
-                    host_bytes += entry[0]
-            elif event.size > 0:
-                live[event.pointer] = [event.size, host_phase]
-                live_bytes += event.size
-                host_bytes += event.size if host_phase else 0
-            elif (entry := live.pop(event.pointer, None)) is not None:
-                # frees of storages allocated before the region that were not declared
-                # resident are unknown here and ignored (an overestimate, never an under-)
-                live_bytes -= entry[0]
-                host_bytes -= entry[0] if entry[1] else 0
-            peak = max(peak, live_bytes)
-            device_peak = max(device_peak, live_bytes - host_bytes)
-        self.peak_bytes, self.device_peak_bytes, self.host_bytes = peak, device_peak, host_bytes
+    def _freed(self, key: int) -> None:
+        entry = self._tracked.pop(key, None)
+        if entry is not None:
+            self.live_bytes -= entry[1]
+            if entry[2]:
+                self.host_bytes -= entry[1]
 
 
 @dataclass(frozen=True)
@@ -219,12 +212,14 @@ def peak_rss_bytes() -> int:
 
 
 class StepMemoryProbe:
-    """Measure the peak memory of one step: CUDA allocator statistics, else a live meter."""
+    """Measure the peak memory of one step: CUDA allocator statistics, else a CPU meter
+    (``meter``: :class:`LiveTensorMeter` or ``allocator_meter.AllocatorMeter``)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, meter: Callable[..., Any] | None = None) -> None:
         self.device = device
         self.result: StepMemory | None = None
-        self._meter: LiveTensorMeter | None = None
+        self._meter_class = meter or LiveTensorMeter
+        self._meter: Any = None
         self._cuda_marks: dict[str, int] = {}
 
     def start(
@@ -236,15 +231,19 @@ class StepMemoryProbe:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_marks = {}
             return
-        meter = LiveTensorMeter(resident, host)
+        meter = self._meter_class(resident, host)
         try:
             meter.__enter__()
-        except MeterUnavailable:  # the user is profiling: this step goes unmeasured
+        except RuntimeError:  # AllocatorMeter while the user's own profiler runs
             return
         self._meter = meter
 
+    def use_meter(self, meter: Callable[..., Any]) -> None:
+        """Measure the following CPU steps with another meter class."""
+        self._meter_class = meter
+
     @property
-    def meter(self) -> LiveTensorMeter | None:
+    def meter(self) -> Any:
         """The active CPU meter (to mark offloaded storages), None on CUDA or between steps."""
         return self._meter
 
@@ -265,7 +264,7 @@ class StepMemoryProbe:
             meter, self._meter = self._meter, None
             meter.__exit__(None, None, None)
             self.result = StepMemory(meter.peak_bytes, None, meter.device_peak_bytes,
-                                     meter.marks)
+                                     dict(meter.marks))
         return self.result
 
 

@@ -9,7 +9,10 @@ The model follows how the plugin holds memory (see ``precision.py``, ``engines/f
   kept gathered (stock fairseq's policy) holds the whole model from forward to the end of
   backward; in backward each unit's unsharded gradient (b bytes) is copied into a
   reduce-scatter input of the reduce dtype (fp32 unless ``--reduce-in-16-bit``) before
-  its 1/N slice is kept;
+  its 1/N slice is kept (on CPU, torch's ``_chunk_cat`` first concatenates the gradient in
+  b bytes, one more unit-sized temporary); the tied vocabulary unit is used last by the
+  encoder's embedding, so its gradient (its three uses summed in place by autograd) is
+  reduced at the very end of backward;
 - fairseq's label-smoothed loss keeps fp32 log-probabilities (tokens x V x 4 B) and its
   backward holds two more tensors of that size at once; the chunked criterion holds one
   chunk of logits (16-bit and fp32) and a V x d gradient accumulator in the weight's dtype;
@@ -19,10 +22,11 @@ The model follows how the plugin holds memory (see ``precision.py``, ``engines/f
   the encoder, 20 B over the decoder's two attentions); with activation checkpointing only
   each layer's input is kept, plus one layer's activations while it is recomputed.
 
-The peak is the largest of a few moments of the step (:data:`PHASES`); each is a sum of
-the tensors live then. The breakdown follows ``benchmarks/memory.py``: activations are the
-bytes live when the loss is computed beyond the resident state (including parameters a
-unit keeps gathered), temporaries are the rest of the peak.
+The peak is the largest of a few moments of the step; each is a sum of the tensors live
+then, as the CPU allocator's events show them (``memory.LiveTensorMeter``). The breakdown
+follows ``benchmarks/memory.py``: activations are the bytes live when the loss is computed
+beyond the resident state (including parameters a unit keeps gathered), temporaries are
+the rest of the peak.
 """
 
 from __future__ import annotations
@@ -207,10 +211,12 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
     rv = setup.vocabulary_reduce_bytes  # the vocabulary unit's reduce dtype
 
     def reduce_scatter(unit: int, bytes_: int) -> float:
-        """Peak of one unit's reduce-scatter: its unsharded gradient copied into the reduce
-        buffer, then the 1/N output (cast to the fp32 shard when reduced in 16 bits)."""
+        """Peak of one unit's reduce-scatter, its unsharded gradient (b bytes) alive
+        throughout: copied into the reduce buffer (torch's CPU ``_chunk_cat`` first builds a
+        concatenated copy in b bytes), then the 1/N output (cast to the fp32 shard when
+        reduced in 16 bits)."""
         output = bytes_ * unit / n + (4 * unit / n if bytes_ < 4 else 0)
-        return max(b * unit + bytes_ * unit, bytes_ * unit + output)
+        return b * unit + bytes_ * unit + max(b * unit, output)
 
     p, tokens, vocab, d = shape.parameters, setup.tokens, shape.vocabulary, shape.decoder_dim
     params, grads = 4 * p / n, 4 * p / n
@@ -229,6 +235,7 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
         kept_gathered = b * p
 
     saved, recompute = activation_bytes(shape, setup)
+    s = setup.tokens_per_sentence
     loss_saved = 4 * tokens if setup.chunked_loss else 4 * tokens * vocab
     activations = saved + loss_saved + kept_gathered
     # gathered 16-bit copy of the vocabulary unit while it is used (unless the root holds it)
@@ -237,46 +244,40 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
     phases: dict[str, float] = {}
     if setup.chunked_loss:
         chunk = min(setup.loss_chunk_tokens, tokens)
-        # one chunk of logits in the compute dtype and in fp32 (16-bit compute), the
-        # weight-gradient accumulator in the weight's dtype, the hidden-state gradient
+        # one chunk of logits in the compute dtype and in fp32 (16-bit compute), in forward
+        # (log-sum-exp in place) and in backward, where the weight-gradient accumulator in
+        # the weight's dtype and the hidden-state gradient are live too
         logits = 4 * chunk * vocab + (b * chunk * vocab if b < 4 else 0)
+        phases["loss forward"] = resident + activations + vocab_gathered + logits
         loss_extra = logits + b * vocab * d + b * tokens * d + vocab_gathered
     else:
         # fp32 gradient of the log-probabilities and log_softmax's fp32 input gradient
         loss_extra = 2 * 4 * tokens * vocab
     phases["loss backward"] = resident + activations + loss_extra
-    if per_layer_units and b < 4:
-        # then the output projection's gradient is reduce-scattered, activations still live
-        # (a root-only plan, and fp32 compute as measured, reduce it only at the end)
-        phases["projection reduce"] = resident + saved + max(
-            b * vocab * d + rv * vocab_unit, reduce_scatter(vocab_unit, rv))
 
     if per_layer_units:
-        # the encoder embedding's backward: every gradient shard, the gathered vocabulary
-        # unit, its unsharded gradient and the one being added to it, the first encoder
-        # layer's reduce buffer (FSDP holds it until the next reduce-scatter); then the
-        # vocabulary unit's own reduce-scatter
-        end = grads + max(3 * b * vocab_unit + r * shape.encoder_layer_parameters,
-                          reduce_scatter(vocab_unit, rv))
-        if b == 4:
-            # measured without mixed precision: the vocabulary unit's gradients are reduced
-            # once, at the end, and the last one is added out of place (a fourth V x d copy)
-            end = grads - 4 * vocab_unit / n + max(
-                4 * b * vocab_unit + r * shape.encoder_layer_parameters,
-                reduce_scatter(vocab_unit, rv))
+        # the vocabulary unit is used last by the encoder's embedding, so its gradient is
+        # reduced at the end of backward, after every other unit's: at the encoder
+        # embedding's backward the gathered copy, the gradient summed so far and the one
+        # being added to it (in place) are live; then the unit's reduce-scatter
+        other_grads = grads - 4 * vocab_unit / n
+        end = other_grads + max(3 * b * vocab_unit, reduce_scatter(vocab_unit, rv))
     else:
         # one unit holds the model: its unsharded gradients next to the gathered copy, then
         # one reduce-scatter of everything
-        end = max(2 * b * p, reduce_scatter(p, r))
+        end = max(2 * b * p, reduce_scatter(p, r) - b * p)
     phases["end of backward"] = resident + end
     if per_layer_units:
-        # first layer in backward: every activation, the vocabulary unit's reduce buffer
-        # still held and its gradient shard (fp32 compute: its unsharded gradient, kept
-        # until the end), two gathered layers, one layer being recomputed
-        projection = b * vocab_unit if b == 4 else rv * vocab_unit + 4 * vocab_unit / n
+        # a layer's backward: the vocabulary unit's gathered copy and unsharded gradient
+        # (both kept until the encoder embedding's backward), two gathered layers, one layer
+        # being recomputed and the gradients of its fp32 attention probabilities (two
+        # copies, math attention path), and the larger of every saved activation (the first
+        # layer in backward) and every other unit's gradient shard (the last)
+        heads = max(shape.encoder_heads, shape.decoder_heads)
+        attention_grads = 8 * heads * s * tokens if shape.attention_dropout else 0.0
         phases["layer backward"] = (
-            resident + saved + kept_gathered + projection + 2 * b * layer_unit + recompute
-        )
+            resident + kept_gathered + 2 * b * vocab_unit + 2 * b * layer_unit + recompute
+            + attention_grads + max(saved, other_grads))
     # optimizer: every gradient, one fp32 temporary of the largest shard (Adam's denominator
     # or the squared gradient of the norm)
     largest_shard = 4 * (shape.largest_unit if per_layer_units else p) / n

@@ -1,25 +1,24 @@
-"""The live-tensor meter counts real allocations, frees and FSDP-style storage resizes,
-from the CPU allocator's events, without changing what autograd does."""
+"""The CPU meters: the live-tensor meter counts real allocations, frees and FSDP-style
+storage resizes; the allocator meter reads the allocator's events without changing what
+autograd does."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from fairseq_shard_plugin.allocator_meter import AllocatorMeter
 from fairseq_shard_plugin.memory import LiveTensorMeter, StepMemoryProbe, storage_bytes
 
 
 def test_counts_resident_and_new_tensors_and_frees() -> None:
     weight = torch.randn(256, 256)
     with LiveTensorMeter([weight]) as meter:
-        meter.mark("start")
+        assert meter.live_bytes == 256 * 256 * 4
         activation = torch.randn(512, 256)  # +512 KiB
         product = activation @ weight  # +512 KiB
-        meter.mark("both")
         del activation, product
-        meter.mark("end")
-    assert meter.marks == {"start": 256 * 256 * 4, "both": (256 * 256 + 2 * 512 * 256) * 4,
-                           "end": 256 * 256 * 4}
+        assert meter.live_bytes == 256 * 256 * 4
     assert meter.peak_bytes == (256 * 256 + 2 * 512 * 256) * 4
 
 
@@ -27,37 +26,45 @@ def test_views_share_storage_and_are_counted_once() -> None:
     with LiveTensorMeter() as meter:
         base = torch.zeros(1000)
         views = [base[i:] for i in range(10)]
-        meter.mark("views")
-    assert len(views) == 10 and meter.peak_bytes == 4000 == meter.marks["views"]
+        assert meter.live_bytes == 4000
+    assert len(views) == 10 and meter.peak_bytes == 4000
 
 
 def test_follows_storage_resize_like_fsdp_reshard() -> None:
     with LiveTensorMeter() as meter:
         gathered = torch.empty(1000)
         gathered.untyped_storage().resize_(0)  # FSDP frees a gathered parameter this way
-        meter.mark("freed")
+        assert meter.live_bytes == 0
         gathered.untyped_storage().resize_(8000)  # and regrows it before the next use
-        meter.mark("regrown")
-    assert meter.marks == {"freed": 0, "regrown": 8000}
+        assert meter.live_bytes == 8000
     assert meter.peak_bytes == 8000
+
+
+def test_storage_bytes_counts_shared_storage_once() -> None:
+    tensor = torch.zeros(10, 10)
+    assert storage_bytes([tensor, tensor.view(100), tensor[0]]) == 400
 
 
 def test_metering_leaves_autograd_gradient_accumulation_in_place() -> None:
     """A weight used three times (like a tied vocabulary matrix) has its gradients summed in
-    place by autograd; a dispatch-mode meter would make that sum out of place (+1 copy)."""
+    place by autograd; under the dispatch-mode meter that sum is out of place (+1 copy)."""
     weight = torch.randn(4096, 256, requires_grad=True)  # 4 MiB
     tokens = torch.randint(0, 4096, (16,))
-    with LiveTensorMeter([weight]) as meter:
+    with AllocatorMeter([weight]) as meter:
         uses = [F.embedding(tokens, weight) for _ in range(3)]
         sum(use.sum() for use in uses).backward()
     weight_bytes = 4096 * 256 * 4
     assert weight.grad is not None
     # the weight, the gradient summed so far and the one being added; small tensors aside
     assert 3 * weight_bytes <= meter.peak_bytes < 3.25 * weight_bytes
+    with LiveTensorMeter([weight]) as perturbing:
+        uses = [F.embedding(tokens, weight) for _ in range(3)]
+        sum(use.sum() for use in uses).backward()
+    assert perturbing.peak_bytes >= 4 * weight_bytes
 
 
 def test_probe_records_marks_and_skips_steps_it_cannot_measure() -> None:
-    probe = StepMemoryProbe(torch.device("cpu"))
+    probe = StepMemoryProbe(torch.device("cpu"), meter=AllocatorMeter)
     probe.start([])
     probe.mark("before")
     tensor = torch.zeros(256)
@@ -70,6 +77,19 @@ def test_probe_records_marks_and_skips_steps_it_cannot_measure() -> None:
         assert probe.stop() is None
 
 
-def test_storage_bytes_counts_shared_storage_once() -> None:
-    tensor = torch.zeros(10, 10)
-    assert storage_bytes([tensor, tensor.view(100), tensor[0]]) == 400
+def test_allocator_meter_counts_new_tensors_marks_and_host_side_storages() -> None:
+    shard = torch.zeros(1000)  # 4,000 B, offloaded from the start
+    with AllocatorMeter([], host=[shard]) as meter:
+        activation = torch.ones(2000)  # 8,000 B on the device
+        meter.mark("activation")
+        grad = activation[:500] * 2  # 2,000 B, then copied to the host
+        meter.mark_host(grad)
+        del activation
+        meter.host_phase = True  # an optimizer step on the host
+        state = torch.zeros_like(shard)
+        meter.host_phase = False
+    # the allocator also sees a few scalar-sized buffers of its own (under 64 bytes each)
+    assert 12000 <= meter.marks["activation"] < 12000 + 256
+    assert 14000 <= meter.peak_bytes < 14000 + 256
+    assert 10000 <= meter.device_peak_bytes < 10000 + 256
+    assert 10000 <= meter.host_bytes < 10000 + 256 and state.numel() == 1000
