@@ -260,7 +260,7 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
         # reduced at the end of backward, after every other unit's: at the encoder
         # embedding's backward the gathered copy, the gradient summed so far and the one
         # being added to it (in place) are live; then the unit's reduce-scatter
-        other_grads = grads - 4 * vocab_unit / n
+        other_grads = max(grads - 4 * vocab_unit / n, 0.0)  # none on the device if offloaded
         end = other_grads + max(3 * b * vocab_unit, reduce_scatter(vocab_unit, rv))
     else:
         # one unit holds the model: its unsharded gradients next to the gathered copy, then
