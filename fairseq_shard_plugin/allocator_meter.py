@@ -29,14 +29,10 @@ from torch._C._profiler import (
 )
 from torch.autograd.profiler import record_function
 
-from fairseq_shard_plugin.memory import tensor_storages
+from fairseq_shard_plugin.memory import MeterUnavailable, tensor_storages
 
 _MARKER = "fairseq_shard_plugin.meter"
 _CPU_ONLY = {ProfilerActivity.CPU}
-
-
-class MeterUnavailable(RuntimeError):
-    """Another torch profiler is running, so the CPU allocator's events are not ours to read."""
 
 
 class _Event(NamedTuple):

@@ -57,6 +57,10 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+class MeterUnavailable(RuntimeError):
+    """Another torch profiler is running, so the CPU allocator's events are not ours to read."""
+
+
 class _ResizeWatch:
     """Reference-counted patch of ``UntypedStorage.resize_`` that notifies active meters."""
 
@@ -234,7 +238,7 @@ class StepMemoryProbe:
         meter = self._meter_class(resident, host)
         try:
             meter.__enter__()
-        except RuntimeError:  # AllocatorMeter while the user's own profiler runs
+        except MeterUnavailable:  # the allocator meter while the user's own profiler runs
             return
         self._meter = meter
 
