@@ -23,10 +23,10 @@ The model follows how the plugin holds memory (see ``precision.py``, ``engines/f
   each layer's input is kept, plus one layer's activations while it is recomputed.
 
 The peak is the largest of a few moments of the step; each is a sum of the tensors live
-then, as the CPU allocator's events show them (``memory.LiveTensorMeter``). The breakdown
-follows ``benchmarks/memory.py``: activations are the bytes live when the loss is computed
-beyond the resident state (including parameters a unit keeps gathered), temporaries are
-the rest of the peak.
+then, as the CPU allocator's events show them (``allocator_meter.AllocatorMeter``). The
+breakdown follows ``benchmarks/memory.py``: activations are the bytes live when the loss is
+computed beyond the resident state (including parameters a unit keeps gathered),
+temporaries are the rest of the peak.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
         end = other_grads + max(3 * b * vocab_unit, reduce_scatter(vocab_unit, rv))
     else:
         # one unit holds the model: its unsharded gradients next to the gathered copy, then
-        # one reduce-scatter of everything
+        # one reduce-scatter of everything (whose input gradient is already counted above)
         end = max(2 * b * p, reduce_scatter(p, r) - b * p)
     phases["end of backward"] = resident + end
     if per_layer_units:
