@@ -12,6 +12,21 @@ class CheckpointLoadError(RuntimeError):
     """A checkpoint that cannot be loaded; the message names the file and the mismatch."""
 
 
+def state_dict_shapes(module: torch.nn.Module) -> dict[str, torch.Size]:
+    """The names and shapes ``module.state_dict()`` has, without calling it (no collective):
+    tied parameters under every name that holds them, and persistent buffers."""
+    shapes: dict[str, torch.Size] = {}
+    for prefix, submodule in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, tensor in submodule._parameters.items():
+            if tensor is not None:
+                shapes[dot + name] = tensor.shape
+        for name, tensor in submodule._buffers.items():
+            if tensor is not None and name not in submodule._non_persistent_buffers_set:
+                shapes[dot + name] = tensor.shape
+    return shapes
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"

@@ -12,7 +12,8 @@ import torch
 from fairseq import utils
 
 from fairseq_shard_plugin.atomic_files import remove_partial_files, write_atomically
-from fairseq_shard_plugin.checkpoint_errors import describe_shape_mismatch
+from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError, describe_shape_mismatch
+from fairseq_shard_plugin.checkpoint_integrity import corruption_message, damaged_zip_entries
 from fairseq_shard_plugin.checkpoint_sharded import (
     SHARDED_KEY,
     ShardedCheckpointError,
@@ -27,6 +28,7 @@ from fairseq_shard_plugin.checkpoint_sharded import (
     tensor_paths,
 )
 from fairseq_shard_plugin.options import sharding_options
+from fairseq_shard_plugin.stock_optimizer_state import adopt_stock_optimizer_state
 
 logger = logging.getLogger(__name__)
 
@@ -78,37 +80,65 @@ def read_sharded_index(filename: str) -> dict[str, Any] | None:
     return state if is_sharded_index(state) else None
 
 
-def sharded_state_loader(
+def verify_full_checkpoint(filename: str) -> None:
+    """Collective: refuse a full checkpoint whose bytes fail their CRC-32 (each rank checks
+    a share of the entries); missing and unreadable files are left to the loader."""
+    if os.path.isfile(filename):
+        damaged = damaged_zip_entries(Path(filename), collective=True)
+        if damaged:
+            raise CheckpointLoadError(corruption_message(filename, damaged))
+
+
+def trainer_state_loader(
     trainer: Any, reset_optimizer: bool
 ) -> Callable[[str, dict[str, Any]], dict[str, Any]]:
-    """For fairseq's loader: turn an index into a state whose tensors are this rank's shards.
+    """For fairseq's loader (hook 6): the state the trainer loads from a checkpoint's contents.
+
+    A sharded index becomes a state whose tensors are this rank's shards (see
+    :func:`_load_shards`); a full checkpoint written without the plugin has its optimizer
+    state adopted when it fits (``stock_optimizer_state``).
+    """
+
+    def load(filename: str, state: dict[str, Any]) -> dict[str, Any]:
+        if is_sharded_index(state):
+            state = _load_shards(trainer, reset_optimizer, filename, state)
+        elif not reset_optimizer:
+            optimizer = trainer.optimizer
+            inner = getattr(optimizer, "fp32_optimizer", optimizer)
+            adopt_stock_optimizer_state(filename, state, type(optimizer).__name__,
+                                        type(inner).__name__, [p.shape for p in optimizer.params])
+        return state
+
+    return load
+
+
+def _load_shards(
+    trainer: Any, reset_optimizer: bool, filename: str, index: dict[str, Any]
+) -> dict[str, Any]:
+    """A sharded index as a state whose tensors are this rank's shards (collective).
 
     Checks names and shapes against the model first, then reads every shard into fresh
     tensors (DCP reshards to this world size); the model is touched only after all of it
     succeeded, by fairseq's own ``load_state_dict``.
     """
-
-    def load(filename: str, index: dict[str, Any]) -> dict[str, Any]:
-        entries = read_shard_metadata(filename, index)
-        model_state = trainer.model.state_dict()
-        shapes = {name: tuple(t.shape) for name, t in model_state.items()}
-        problem = describe_shape_mismatch(filename, saved_shapes(entries, "model"), shapes)
-        if problem:
-            raise ShardedCheckpointError(problem)
-        skeleton = {k: v for k, v in index.items() if k != SHARDED_KEY}
-        if reset_optimizer:
-            skeleton.pop("last_optimizer_state", None)
-        params = list(trainer.optimizer.params)
-        targets = {}
-        for path in tensor_paths(skeleton):
-            parts = path.split("/")
-            like = None
-            if parts[0] == "model":
-                like = model_state.get(path[len("model/"):])
-            elif parts[:2] == ["last_optimizer_state", "state"] and int(parts[2]) < len(params):
-                like = params[int(parts[2])]
-            targets[path] = empty_like_saved(entries[path], like)
-        load_tensors(filename, index, targets)
-        return fill_tensors(skeleton, targets)
-
-    return load
+    entries = read_shard_metadata(filename, index, collective=True)
+    model_state = trainer.model.state_dict()
+    shapes = {name: tuple(t.shape) for name, t in model_state.items()}
+    problem = describe_shape_mismatch(filename, saved_shapes(entries, "model"), shapes)
+    if problem:
+        raise ShardedCheckpointError(problem)
+    skeleton = {k: v for k, v in index.items() if k != SHARDED_KEY}
+    if reset_optimizer:
+        skeleton.pop("last_optimizer_state", None)
+    params = list(trainer.optimizer.params)
+    targets = {}
+    for path in tensor_paths(skeleton):
+        parts = path.split("/")
+        like = None
+        if parts[0] == "model":
+            like = model_state.get(path[len("model/"):])
+        elif parts[:2] == ["last_optimizer_state", "state"] and int(parts[2]) < len(params):
+            like = params[int(parts[2])]
+        targets[path] = empty_like_saved(entries[path], like)
+    load_tensors(filename, index, targets)
+    return fill_tensors(skeleton, targets)

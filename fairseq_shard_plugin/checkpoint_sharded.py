@@ -34,6 +34,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from fairseq_shard_plugin.checkpoint_integrity import (
+    corruption_message,
+    mismatched_shard_files,
+    shard_checksums,
+)
+
 SHARDED_KEY = "sharded_checkpoint"
 SHARDS_DIR = "checkpoint_shards"
 _REF = "__shard__"
@@ -119,6 +125,7 @@ def save_sharded(state: dict[str, Any], save_dir: str | Path, num_updates: int) 
         "dir": relative,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "version": 1,
+        "crc32": shard_checksums(save_dir / relative),
     }
     return skeleton
 
@@ -155,8 +162,15 @@ def shard_directory(index_file: str | Path, index: dict[str, Any]) -> Path:
     return Path(index_file).resolve().parent / index[SHARDED_KEY]["dir"]
 
 
-def read_shard_metadata(index_file: str | Path, index: dict[str, Any]) -> dict[str, Any]:
-    """DCP's metadata of every tensor path in the index; one-line errors if unusable."""
+def read_shard_metadata(
+    index_file: str | Path, index: dict[str, Any], collective: bool = False
+) -> dict[str, Any]:
+    """DCP's metadata of every tensor path in the index; one-line errors if unusable.
+
+    Shard files are checked against the CRC-32 recorded at save time (indexes written
+    before checksums existed have none); ``collective`` splits that work among the ranks,
+    which must all call it.
+    """
     directory = shard_directory(index_file, index)
     if not directory.is_dir():
         raise ShardedCheckpointError(
@@ -178,6 +192,11 @@ def read_shard_metadata(index_file: str | Path, index: dict[str, Any]) -> dict[s
             f"{index_file}: shard file {directory / name} is truncated or missing ({size} of "
             f"{needed} bytes); resume from another checkpoint with --restore-file"
         )
+    corrupted = mismatched_shard_files(directory, index[SHARDED_KEY].get("crc32", {}),
+                                       collective)
+    if corrupted:
+        raise ShardedCheckpointError(corruption_message(
+            index_file, [str(directory / name) for name in corrupted]))
     entries = metadata.state_dict_metadata
     missing = [p for p in tensor_paths(index) if p not in entries]
     if missing:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fairseq_shard_plugin.atomic_files import write_atomically
+from fairseq_shard_plugin.checkpoint_integrity import corruption_message, damaged_zip_entries
 from fairseq_shard_plugin.checkpoint_sharded import (
     SHARDED_KEY,
     ShardedCheckpointError,
@@ -56,6 +57,9 @@ def read_full_state(path: Path) -> dict[str, Any]:
             f"{path}: unreadable checkpoint ({size} bytes; truncated or corrupted?): "
             f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
         ) from error
+    damaged = [] if is_sharded_index(state) else damaged_zip_entries(path)
+    if damaged:
+        raise ConsolidateError(corruption_message(path, damaged))
     if is_sharded_index(state):  # --checkpoint-format sharded: gather the DCP shards
         try:
             tensors = full_tensors(path, state)

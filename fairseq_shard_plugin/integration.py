@@ -38,7 +38,10 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    checkpoint's file is an index whose tensors live in a DCP directory
    (``checkpoint_sharded``); the wrapper replaces those references by tensors: the
    trainer's shards (collective, resharded to this world size) while the trainer loads,
-   full tensors read in one process otherwise. Full checkpoints pass through unchanged.
+   full tensors read in one process otherwise. While the trainer loads, a full checkpoint
+   written without the plugin also has its optimizer entry relabelled for the sharded
+   optimizer when its state fits (fairseq's Trainer asserts the class names match and has
+   no hook in between; ``stock_optimizer_state``). Other loads pass through unchanged.
 """
 
 from __future__ import annotations
@@ -165,8 +168,8 @@ def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
     return save_checkpoint
 
 
-ShardedResolver = Callable[[str, dict[str, Any]], dict[str, Any]]
-_sharded_resolvers: list[ShardedResolver] = []
+TrainerLoader = Callable[[str, dict[str, Any]], dict[str, Any]]
+_trainer_loaders: list[TrainerLoader] = []
 
 
 def _full_tensors_of_index(path: str, index: dict[str, Any]) -> dict[str, Any]:
@@ -177,14 +180,15 @@ def _full_tensors_of_index(path: str, index: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def resolving_sharded_checkpoints(resolver: ShardedResolver) -> Iterator[None]:
-    """While active, sharded checkpoints read through fairseq are resolved by ``resolver``
-    (the trainer's collective shard loader) instead of as full tensors (hook 6)."""
-    _sharded_resolvers.append(resolver)
+def loading_into_trainer(loader: TrainerLoader) -> Iterator[None]:
+    """While active, every checkpoint read through fairseq is passed to ``loader`` (the
+    sharded trainer's: resolves sharded indexes collectively into this rank's shards and
+    adopts stock optimizer state) before fairseq's Trainer sees it (hook 6)."""
+    _trainer_loaders.append(loader)
     try:
         yield
     finally:
-        _sharded_resolvers.pop()
+        _trainer_loaders.pop()
 
 
 def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., Any]:
@@ -193,10 +197,9 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
         from fairseq_shard_plugin.checkpoint_sharded import is_sharded_index
 
         state = stock_load(path, arg_overrides, load_on_all_ranks)
-        if not is_sharded_index(state):
-            return state
-        resolve = _sharded_resolvers[-1] if _sharded_resolvers else _full_tensors_of_index
-        return resolve(path, state)
+        if _trainer_loaders:
+            return _trainer_loaders[-1](path, state)
+        return _full_tensors_of_index(path, state) if is_sharded_index(state) else state
 
     load_checkpoint_to_cpu.__wrapped__ = stock_load  # type: ignore[attr-defined]
     return load_checkpoint_to_cpu

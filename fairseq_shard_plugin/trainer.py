@@ -20,17 +20,22 @@ from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 from torch.distributed.tensor.experimental import implicit_replication
 
-from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError, describe_checkpoint_problem
+from fairseq_shard_plugin.checkpoint_errors import (
+    CheckpointLoadError,
+    describe_checkpoint_problem,
+    state_dict_shapes,
+)
 from fairseq_shard_plugin.checkpoint_files import (
     after_save,
     checkpoint_state,
     read_sharded_index,
     save_full_checkpoint,
-    sharded_state_loader,
+    trainer_state_loader,
+    verify_full_checkpoint,
 )
 from fairseq_shard_plugin.checkpoint_sharded import ShardedCheckpointError
 from fairseq_shard_plugin.engines import build_engine
-from fairseq_shard_plugin.integration import resolving_sharded_checkpoints
+from fairseq_shard_plugin.integration import loading_into_trainer
 from fairseq_shard_plugin.launch_env import ensure_process_group, uses_cuda
 from fairseq_shard_plugin.local_shards import LocalShards
 from fairseq_shard_plugin.memory import StepMemoryProbe, storage_bytes, watch_offloaded_state
@@ -205,27 +210,31 @@ class ShardedTrainer(Trainer):
     def load_checkpoint(self, filename: str, *args: Any, **kwargs: Any) -> Any:
         """Load a full checkpoint into the sharded model: each rank keeps its own slice.
 
-        Anything that stops the load (a truncated file, another architecture or vocabulary)
-        becomes one :class:`CheckpointLoadError` naming the file and the mismatch.
+        Anything that stops the load (a truncated or corrupted file, another architecture or
+        vocabulary, optimizer state that does not fit) becomes one
+        :class:`CheckpointLoadError` naming the file and the mismatch.
         """
         reset_optimizer = bool(args[0] if args else kwargs.get("reset_optimizer", False))
         try:
             index = read_sharded_index(filename)
-            with implicit_replication(), resolving_sharded_checkpoints(
-                sharded_state_loader(self, reset_optimizer)
+            if index is None:
+                verify_full_checkpoint(filename)
+            with implicit_replication(), loading_into_trainer(
+                trainer_state_loader(self, reset_optimizer)
             ):
                 extra_state = super().load_checkpoint(filename, *args, **kwargs)
         except ShardedCheckpointError as error:
             raise CheckpointLoadError(str(error)) from error
+        except CheckpointLoadError:
+            raise
         except Exception as error:
             if index is not None:
                 first_line = (str(error).strip().splitlines() or [""])[0]
                 raise CheckpointLoadError(
                     f"{filename}: could not be loaded: {type(error).__name__}: {first_line}"
                 ) from error
-            shapes = {name: p.shape for name, p in self._model.named_parameters()}
             raise CheckpointLoadError(
-                describe_checkpoint_problem(filename, shapes, error)
+                describe_checkpoint_problem(filename, state_dict_shapes(self._model), error)
             ) from error
         self.engine.shard_loaded_state(self.optimizer.optimizer)
         return extra_state

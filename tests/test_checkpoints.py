@@ -68,6 +68,13 @@ def saved_update(checkpoint: Path) -> int:
     return state["optimizer_history"][-1]["num_updates"]
 
 
+def flip_middle_byte(path: Path) -> None:
+    """Damage a file's content without changing its length (a bad disk or copy)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def equal_models(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -224,16 +231,26 @@ def test_consolidate_command_writes_16_bit_weights_that_from_pretrained_loads(
     assert hub.translate(source, beam=2).split()
 
 
-def test_consolidate_refuses_a_truncated_checkpoint_in_one_line(
-    uninterrupted: tuple[RunResult, Path], tmp_path: Path
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [("truncated", "checkpoint_last.pt: unreadable checkpoint ("),
+     ("corrupted", "checkpoint_last.pt: corrupted checkpoint: archive/data/")],
+)
+def test_consolidate_refuses_a_damaged_checkpoint_in_one_line(
+    uninterrupted: tuple[RunResult, Path], tmp_path: Path, damage: str, named: str
 ) -> None:
     whole = (uninterrupted[1] / "checkpoint_last.pt").read_bytes()
-    (tmp_path / "checkpoint_last.pt").write_bytes(whole[: len(whole) // 3])
+    damaged = tmp_path / "checkpoint_last.pt"
+    if damage == "truncated":
+        damaged.write_bytes(whole[: len(whole) // 3])
+    else:
+        damaged.write_bytes(whole)
+        flip_middle_byte(damaged)
     with pytest.raises(SystemExit) as stopped:
         consolidate.main([str(tmp_path), str(tmp_path / "out.pt")])
     message = str(stopped.value.code)
     assert "\n" not in message and message.startswith("fairseq-shard-consolidate: error: ")
-    assert "checkpoint_last.pt: unreadable checkpoint" in message and "truncated" in message
+    assert named in message and ("truncated" in message or "CRC-32" in message)
     assert not (tmp_path / "out.pt").exists()
 
 
@@ -282,6 +299,41 @@ def test_shards_that_no_checkpoint_names_are_removed(tmp_path: Path) -> None:
     assert sorted(p.name for p in shards.iterdir()) == ["u20-b", "u30-c"]
 
 
+@pytest.fixture(scope="module")
+def stock_checkpoint(
+    corpus: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[RunResult, Path]:
+    """A checkpoint written by stock fairseq (no plugin, legacy_ddp, 2 ranks, 20 updates)."""
+    save_dir = tmp_path_factory.mktemp("stock")
+    run = run_training(training_args(corpus, save_dir, 20, max_tokens=MAX_TOKENS) + TINY
+                       + ["--task", "translation"], nproc=2, plugin=False)
+    return run, save_dir / "checkpoint_last.pt"
+
+
+def test_fine_tuning_from_a_stock_fairseq_checkpoint_matches_stock_fine_tuning(
+    corpus: Path, stock_checkpoint: tuple[RunResult, Path], tmp_path: Path
+) -> None:
+    """The reverse of the export: a standard checkpoint (a released model) starts sharded
+    training with fairseq's usual fine-tuning flags, and trains as stock fairseq would."""
+    pretrained, checkpoint = stock_checkpoint
+    fine_tune = ["--restore-file", str(checkpoint), "--reset-optimizer", "--reset-dataloader",
+                 "--reset-lr-scheduler", "--reset-meters", "--no-save"]
+    # The reference is stock fairseq's data parallel training. fairseq 0.12 cannot read its
+    # own checkpoints under torch >= 2.6's weights_only loading: --user-dir adds the
+    # plugin's allow-list (legacy_ddp runs are otherwise untouched by it), and every rank
+    # reads the file itself, since rank 0's broadcast re-pickles the OmegaConf config.
+    runs = {sharded: run_training(
+        training_args(corpus, tmp_path / str(sharded), 5, max_tokens=MAX_TOKENS) + TINY
+        + (["--task", "sharded_translation"] if sharded else
+           ["--task", "translation", "--user-dir", str(PLUGIN_DIR),
+            "--load-checkpoint-on-all-dp-ranks"]) + fine_tune,
+        nproc=2, plugin=sharded) for sharded in (False, True)}
+    assert "Loaded checkpoint" in runs[True].output
+    losses, reference = (runs[p].series("train_inner", "loss") for p in (True, False))
+    assert len(losses) == 5 and losses == pytest.approx(reference, rel=1e-4)
+    assert losses[0] < pretrained.series("train_inner", "loss")[0] - 0.5  # trained weights
+
+
 def reshard(nproc: int, corpus: Path, work: Path, spec: dict) -> dict:
     """Run ``reshard_checkpoints.py`` on ``nproc`` ranks; return its report."""
     work.mkdir(parents=True, exist_ok=True)
@@ -299,17 +351,19 @@ def reshard(nproc: int, corpus: Path, work: Path, spec: dict) -> dict:
 
 
 def test_checkpoints_reload_exactly_from_2_to_4_to_1_ranks_and_bad_ones_change_nothing(
-    corpus: Path, crashes: dict, uninterrupted: tuple[RunResult, Path], tmp_path: Path,
+    corpus: Path, crashes: dict, uninterrupted: tuple[RunResult, Path],
+    stock_checkpoint: tuple[RunResult, Path], tmp_path: Path,
 ) -> None:
     two_ranks = str(crashes["save_dir"] / "checkpoint_1_20.pt")
     full = str(uninterrupted[1] / "checkpoint_1_20.pt")
     four_ranks = tmp_path / "four" / "checkpoint_last.pt"
     on_four = reshard(4, corpus, four_ranks.parent,
-                      {"exact": [full, two_ranks], "write": str(four_ranks)})
+                      {"exact": [str(stock_checkpoint[1]), full, two_ranks],
+                       "write": str(four_ranks)})
     assert len(list((four_ranks.parent / SHARDS_DIR).glob("*/__*.distcp"))) == 4
 
     broken = []
-    for damage in ("truncated", "no_metadata"):
+    for damage in ("truncated", "no_metadata", "corrupted"):
         copy = tmp_path / damage
         shutil.copytree(crashes["save_dir"], copy)
         shards = copy / torch.load(copy / "checkpoint_1_20.pt",
@@ -317,24 +371,41 @@ def test_checkpoints_reload_exactly_from_2_to_4_to_1_ranks_and_bad_ones_change_n
         if damage == "truncated":
             data = (shards / "__1_0.distcp").read_bytes()
             (shards / "__1_0.distcp").write_bytes(data[: len(data) // 2])
-        else:
+        elif damage == "no_metadata":
             (shards / ".metadata").unlink()
+        else:
+            flip_middle_byte(shards / "__1_0.distcp")
         broken.append(str(copy / "checkpoint_1_20.pt"))
+    (tmp_path / "corrupted_full").mkdir()
+    broken.append(shutil.copy(full, tmp_path / "corrupted_full"))
+    flip_middle_byte(Path(broken[-1]))
+    other_vocab = tmp_path / "other_vocab"
+    shutil.copytree(corpus, other_vocab)
+    for dictionary in other_vocab.glob("dict.*.txt"):
+        dictionary.write_text(dictionary.read_text() + "unseenword 1\n")
     on_one = reshard(1, corpus, tmp_path / "one", {
-        "exact": [str(four_ranks), full], "broken": broken,
+        "exact": [str(four_ranks), full], "broken": broken, "other_vocab": str(other_vocab),
         "other_arch": ["--encoder-ffn-embed-dim", "256", "--decoder-ffn-embed-dim", "256"]})
 
     for report in on_four["exact"] + on_one["exact"]:
         assert report["model_equal"] and report["optimizer_equal"], report
         assert report["optimizer_tensors"] > 0 and report["num_updates"] == 20, report
-    truncated, no_metadata = on_one["broken"]
-    for refusal in (truncated, no_metadata, on_one["other_arch"]):
+    truncated, no_metadata, corrupted_shard, corrupted_full = on_one["broken"]
+    for refusal in (*on_one["broken"], on_one["other_arch"], on_one["other_vocab"]):
         assert refusal["unchanged"] and "\n" not in refusal["error"], refusal
         assert refusal["error"].startswith(refusal["checkpoint"] + ": "), refusal
     assert "__1_0.distcp is truncated" in truncated["error"]
     assert "no readable .metadata" in no_metadata["error"]
+    assert re.search(r"corrupted checkpoint: \S+/__1_0.distcp fails its CRC-32 check",
+                     corrupted_shard["error"]), corrupted_shard
+    assert re.search(r"corrupted checkpoint: archive/data/\d+ fails its CRC-32 check",
+                     corrupted_full["error"]), corrupted_full
     assert ("fc1.weight has shape [128, 64] in the checkpoint and [256, 64] in the model"
             in on_one["other_arch"]["error"])
+    vocab = re.search(r"embed_tokens.weight has shape \[(\d+), 64\] in the checkpoint and "
+                      r"\[(\d+), 64\] in the model \(a different vocabulary",
+                      on_one["other_vocab"]["error"])
+    assert vocab and int(vocab.group(2)) == int(vocab.group(1)) + 1, on_one["other_vocab"]
 
 
 @pytest.mark.parametrize(

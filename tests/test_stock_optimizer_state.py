@@ -1,0 +1,52 @@
+"""Which stock fairseq optimizer states the sharded optimizer resumes, and the refusals.
+
+The end-to-end resume of a stock fp32 checkpoint on 4 sharded ranks (moments equal) is in
+test_checkpoints.py; these cover the layouts that cannot be produced on CPU (stock --fp16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError
+from fairseq_shard_plugin.stock_optimizer_state import adopt_stock_optimizer_state
+
+SHAPES = [torch.Size([8, 4]), torch.Size([4])]
+
+
+def stock_state(name: str, moments: list[torch.Size]) -> dict:
+    state = {i: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(s), "exp_avg_sq":
+                 torch.zeros(s)} for i, s in enumerate(moments)}
+    return {"optimizer_history": [{"optimizer_name": name}],
+            "last_optimizer_state": {"state": state, "param_groups": [{}], "loss_scale": 8.0}}
+
+
+@pytest.mark.parametrize("saved", ["FairseqAdam", "MemoryEfficientFP16Optimizer"])
+def test_per_parameter_state_is_relabelled_for_the_sharded_optimizer(saved: str) -> None:
+    state = stock_state(saved, SHAPES)
+    adopt_stock_optimizer_state("c.pt", state, "ShardedMasterOptimizer", "FairseqAdam", SHAPES)
+    assert state["optimizer_history"][-1]["optimizer_name"] == "ShardedMasterOptimizer"
+
+
+@pytest.mark.parametrize(
+    ("saved", "moments", "message"),
+    [
+        ("FP16Optimizer", [torch.Size([36])],
+         "c.pt: its FP16Optimizer state does not match this model's parameters one by one "
+         "(exp_avg of parameter 0 has shape [36], the parameter [8, 4]; stock --fp16 "
+         "flattens them); add --reset-optimizer"),
+        ("SGD", SHAPES, "c.pt: its optimizer state was saved by SGD, this run uses "
+         "FairseqAdam; add --reset-optimizer"),
+        ("FairseqAdam", [*SHAPES, torch.Size([2])], "state for parameter 2 of 2"),
+    ],
+)
+def test_state_that_does_not_fit_is_refused_in_one_line(
+    saved: str, moments: list[torch.Size], message: str
+) -> None:
+    state = stock_state(saved, moments)
+    with pytest.raises(CheckpointLoadError) as refused:
+        adopt_stock_optimizer_state("c.pt", state, "ShardedMasterOptimizer", "FairseqAdam",
+                                    SHAPES)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    assert state["optimizer_history"][-1]["optimizer_name"] == saved  # untouched
