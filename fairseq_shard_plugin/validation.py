@@ -84,6 +84,12 @@ def check_sharded_config(cfg: Any) -> None:
             "--export-consolidated exports the final checkpoint_last.pt: remove --no-save "
             "and --no-last-checkpoints (or --export-consolidated)"
         )
+    if cfg.checkpoint.write_checkpoints_asynchronously:
+        raise ShardingConfigError(
+            "--write-checkpoints-asynchronously (iopath's background writer) cannot keep the "
+            "plugin's checkpoint writes atomic: remove it (--checkpoint-format sharded makes "
+            "saves fast instead: each rank writes only its shards)"
+        )
     if dist_cfg.use_sharded_state:
         raise ShardingConfigError(
             "--use-sharded-state is fairscale's checkpoint format: remove it (for per-rank "

@@ -414,6 +414,7 @@ def test_checkpoints_reload_exactly_from_2_to_4_to_1_ranks_and_bad_ones_change_n
         (["--export-consolidated", "m.pt", "--no-save"], "--export-consolidated"),
         (["--checkpoint-format", "sharded", "--shard-engine", "fairscale"],
          "--checkpoint-format sharded"),
+        (["--write-checkpoints-asynchronously"], "--write-checkpoints-asynchronously"),
     ],
 )
 def test_unworkable_checkpoint_options_are_refused_with_the_flag_named(
