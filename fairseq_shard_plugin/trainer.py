@@ -189,8 +189,18 @@ class ShardedTrainer(Trainer):
     def set_num_updates(self, num_updates: int) -> None:
         # An update skipped for fp16 overflow is not counted, as in fairseq's fp16 training.
         if self._optimizer is not None and self._optimizer.take_skipped_step():
+            self._update_skipped = True
             return
         super().set_num_updates(num_updates)
+
+    def _reduce_and_log_stats(self, logging_outputs: Any, sample_size: Any,
+                              grad_norm: Any = None) -> Any:
+        # fairseq logs nothing for an update skipped for overflow (train_step returns None);
+        # every rank skips the same update, so every rank leaves out this collective.
+        if getattr(self, "_update_skipped", False):
+            self._update_skipped = False
+            return None
+        return super()._reduce_and_log_stats(logging_outputs, sample_size, grad_norm)
 
     def state_dict(self) -> dict[str, Any]:
         """A standard fairseq checkpoint with full (gathered) model and optimizer tensors, or

@@ -85,6 +85,7 @@ def test_overflow_on_one_rank_skips_the_step_on_all(corpus: Path, tmp_path: Path
     assert report["params_identical"] and report["optimizer_identical"]
     assert report["scale_after"] == report["scale_before"] / 2
     assert report["updates_after"] == report["updates_before"] == 3
+    assert not report["logged"]  # as in fairseq: train_step returns None, nothing is logged
 
 
 def test_fp16_checkpoint_holds_fp32_masters_that_reload_exactly(

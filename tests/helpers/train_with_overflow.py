@@ -50,6 +50,7 @@ def train_step_with_report(self: ShardedTrainer, samples, raise_oom=False):  # t
             if isinstance(before["optim"][i][k], torch.Tensor)),
         "scale_before": before["scale"], "scale_after": after["scale"],
         "updates_before": before["updates"], "updates_after": after["updates"],
+        "logged": result is not None,
     }
     if dist.get_rank() == 0:
         with open(os.environ["REPORT"], "w") as out:
