@@ -275,17 +275,22 @@ def draw_chart(results: list[dict], path: Path) -> bool:
         return False
     parts = ("params", "grads", "optimizer", "activations", "temporaries")
     results = [row for row in results if not row.get("out_of_memory")]
-    figure, axes = plt.subplots(figsize=(10, 4.5))
-    names = [row["configuration"] for row in results]
+    figure, axes = plt.subplots(figsize=(10, 5))
+    names = [row["configuration"].replace("+", "\n+") for row in results]
     bottom = [0.0] * len(results)
     for part in parts:
         values = [max(row[f"{part}_gib"], 0.0) for row in results]
         axes.bar(names, values, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    offloaded = [(name, row["device_gib"]) for name, row in zip(names, results, strict=True)
+                 if row.get("device_gib", row["peak_gib"]) < row["peak_gib"]]
+    if offloaded:  # --cpu-offload: what stays on the device
+        axes.scatter([n for n, _ in offloaded], [d for _, d in offloaded], marker="_", s=1500,
+                     color="black", linewidths=3, label="device (offload)", zorder=3)
     axes.set_ylabel("GiB per rank")
     axes.set_title("Peak memory per rank, one training step")
     axes.legend()
-    axes.tick_params(axis="x", labelrotation=15)
+    axes.tick_params(axis="x", labelsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     return True
@@ -316,6 +321,20 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     return options
 
 
+def host_memory() -> str:
+    """The host's RAM and swap: rows whose peak exceeds the RAM ran partly in swap, which
+    slows their step (the tensor figures come from allocator events and do not change)."""
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.is_file():
+        return ""
+    fields = {}
+    for line in meminfo.read_text().splitlines():
+        name, value = line.split(":", 1)
+        fields[name] = int(value.split()[0]) / 2**20  # kB -> GiB
+    return (f"Host: {fields.get('MemTotal', 0):.1f} GiB RAM, "
+            f"{fields.get('SwapTotal', 0):.1f} GiB swap.")
+
+
 def main(argv: list[str] | None = None) -> None:
     options = parse_options(argv)
     by_name = {config.name: config for config in CONFIGURATIONS}
@@ -334,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     note = (f"GiB per rank, {options.tokens} tokens per rank, {options.precision} compute, "
             f"fp32 master shards, {optimizer}, measured on {device} with a fake process "
             f"group; device: the peak without the host-side state of --cpu-offload. "
-            f"Produced by `{command}`.")
+            f"{host_memory()} Produced by `{command}`.")
     RESULTS.mkdir(parents=True, exist_ok=True)
     if draw_chart(results, RESULTS / f"{options.name}.png"):
         note += f" Chart: `benchmarks/results/{options.name}.png`."

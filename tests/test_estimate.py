@@ -117,7 +117,8 @@ def test_estimate_is_within_10_percent_of_the_measured_600m_peaks(
             assert abs(estimated - measured) / measured < 0.10, (
                 results.name, name, estimated, measured)
             compared.add(name)
-    assert {"plugin", "plugin+chunked-loss+ac", "plugin+chunked-loss+ac+offload"} <= compared
+    assert {"unsharded", "stock-policy", "plugin", "plugin+chunked-loss+ac",
+            "plugin+chunked-loss+ac+offload"} <= compared
 
 
 @pytest.mark.parametrize(("configuration", "flags"), [
