@@ -286,6 +286,15 @@ def test_sharded_save_writes_each_ranks_shards_and_small_indexes(
     assert equal_models(torch.load(out, weights_only=True)["model"], full["model"])
 
 
+def test_fairseq_generate_reads_a_sharded_checkpoint_directly(
+    corpus: Path, crashes: dict, uninterrupted: tuple[RunResult, Path]
+) -> None:
+    """With the plugin as --user-dir, fairseq's own loader gathers the shards (hook 6): the
+    index of update 20 translates exactly as the full checkpoint of the same update."""
+    sharded = translations(corpus, crashes["save_dir"] / "checkpoint_1_20.pt")
+    assert sharded == translations(corpus, uninterrupted[1] / "checkpoint_1_20.pt")
+
+
 def test_shards_that_no_checkpoint_names_are_removed(tmp_path: Path) -> None:
     shards = tmp_path / SHARDS_DIR
     for name in ("u10-a", "u20-b", "u30-c"):
