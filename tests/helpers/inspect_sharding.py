@@ -64,6 +64,10 @@ def main() -> None:
               "sharded_grad_norm": sharded_norm, "gathered_grad_norm": gathered_norm}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+    # Under load, rank 0 once aborted at exit ("terminate called without an active
+    # exception") when it tore down its gloo group while rank 1 was still in the last
+    # collective: leave together.
+    dist.barrier()
     dist.destroy_process_group()
 
 
