@@ -64,6 +64,10 @@ def configs(cuda: bool) -> dict[str, Config]:
         "sharded+root": Config(
             "sharded+root", True, ["--keep-root-gathered"],
             "plugin, --keep-root-gathered (root unit kept gathered from forward to backward)"),
+        "sharded+vocab": Config(
+            "sharded+vocab", True, ["--keep-vocabulary-gathered"],
+            "plugin, --keep-vocabulary-gathered (one all-gather of the vocabulary unit per "
+            "step)"),
         "sharded+memory": Config(
             "sharded+memory", True, ["--checkpoint-activations"],
             f"plugin + chunked loss (--criterion {CHUNKED_LOSS}) + --checkpoint-activations",

@@ -60,7 +60,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     p.add_argument("--criterion", choices=(STOCK, CHUNKED), default=STOCK)
     p.add_argument("--loss-chunk-tokens", type=int, default=1024)
-    for flag in ("root-unit-only", "keep-root-gathered", "checkpoint-activations",
+    for flag in ("root-unit-only", "keep-root-gathered", "keep-vocabulary-gathered",
+                 "checkpoint-activations",
                  "cpu-offload", "reduce-in-16-bit", "reduce-vocabulary-in-16-bit"):
         p.add_argument("--" + flag, action="store_true")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -89,6 +90,7 @@ def setup_from(options: argparse.Namespace) -> TrainingSetup:
         tokens_per_sentence=options.tokens_per_sentence, precision=precision,
         optimizer=options.optimizer, root_unit_only=options.root_unit_only,
         keep_root_gathered=options.keep_root_gathered,
+        keep_vocabulary_gathered=options.keep_vocabulary_gathered,
         chunked_loss=options.criterion == CHUNKED, loss_chunk_tokens=options.loss_chunk_tokens,
         checkpoint_activations=options.checkpoint_activations, cpu_offload=options.cpu_offload,
         reduce_in_16_bit=options.reduce_in_16_bit,

@@ -109,6 +109,7 @@ class TrainingSetup:
     optimizer: str = "adam"  # adam | sgd
     root_unit_only: bool = False
     keep_root_gathered: bool = False
+    keep_vocabulary_gathered: bool = False  # per-layer plans: no reshard after forward
     chunked_loss: bool = False
     loss_chunk_tokens: int = 1024
     checkpoint_activations: bool = False
@@ -135,6 +136,8 @@ class TrainingSetup:
 FEATURES: dict[str, tuple[str, dict]] = {
     "per-layer units": ("drop --root-unit-only", {"root_unit_only": False}),
     "resharded root": ("drop --keep-root-gathered", {"keep_root_gathered": False}),
+    "resharded vocabulary": ("drop --keep-vocabulary-gathered",
+                             {"keep_vocabulary_gathered": False}),
     "chunked loss": ("--criterion chunked_label_smoothed_cross_entropy",
                      {"chunked_loss": True}),
     "activation checkpointing": ("--checkpoint-activations", {"checkpoint_activations": True}),
@@ -237,9 +240,13 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
     saved, recompute = activation_bytes(shape, setup)
     s = setup.tokens_per_sentence
     loss_saved = 4 * tokens if setup.chunked_loss else 4 * tokens * vocab
-    activations = saved + loss_saved + kept_gathered
-    # gathered 16-bit copy of the vocabulary unit while it is used (unless the root holds it)
-    vocab_gathered = 0.0 if kept_gathered else b * vocab_unit
+    # --keep-vocabulary-gathered: the vocabulary unit's 16-bit copy stays from the encoder
+    # embedding's forward to the end of backward, so it is live wherever activations are
+    # (the layers' backward below counts it already, as FSDP keeps it there anyway)
+    vocab_kept = b * vocab_unit if per_layer_units and setup.keep_vocabulary_gathered else 0.0
+    activations = saved + loss_saved + kept_gathered + vocab_kept
+    # gathered 16-bit copy of the vocabulary unit while it is used (unless already counted)
+    vocab_gathered = 0.0 if kept_gathered or vocab_kept else b * vocab_unit
 
     phases: dict[str, float] = {}
     if setup.chunked_loss:

@@ -36,6 +36,15 @@ class ShardingConfig(FairseqDataclass):
             "as fairscale's root does in stock fairseq (costs memory; for comparison)"
         },
     )
+    keep_vocabulary_gathered: bool = field(
+        default=False,
+        metadata={
+            "help": "keep the vocabulary unit (shared embeddings and output projection) "
+            "gathered from its first use in forward to the end of backward: one all-gather "
+            "per step instead of one per use, for vocabulary x d_model x 2 bytes per rank "
+            "(16-bit compute)"
+        },
+    )
     root_unit_only: bool = field(
         default=False,
         metadata={

@@ -98,7 +98,8 @@ class ShardedTrainer(Trainer):
         use_cuda = uses_cuda(cfg)
         ensure_process_group(cfg, use_cuda)
         self.sharding_plan = build_plan(
-            model, self.sharding_options.keep_root_gathered, self.sharding_options.root_unit_only
+            model, self.sharding_options.keep_root_gathered, self.sharding_options.root_unit_only,
+            self.sharding_options.keep_vocabulary_gathered,
         )
         self.compute_dtype = compute_dtype(cfg.common)
         self.engine = build_engine(

@@ -69,12 +69,16 @@ def _group_by_shared_parameters(
 
 
 def build_plan(
-    model: nn.Module, keep_root_gathered: bool = False, root_unit_only: bool = False
+    model: nn.Module, keep_root_gathered: bool = False, root_unit_only: bool = False,
+    keep_vocabulary_gathered: bool = False,
 ) -> ShardingPlan:
     """Return the sharding plan for a fairseq model.
 
     ``root_unit_only`` reproduces stock fairseq's plan for layers below
     ``--min-params-to-wrap``: one unit holding everything (for comparisons).
+    ``keep_vocabulary_gathered`` leaves the vocabulary units gathered after forward: they
+    are used several times (encoder and decoder embeddings, output projection), and each
+    use of a resharded unit is another all-gather, in forward and again in backward.
     """
     root = ShardUnit("<root>", (model,), reshard_after_forward=not keep_root_gathered)
     if root_unit_only:
@@ -95,7 +99,8 @@ def build_plan(
         ):
             candidates.append((name, module))
     vocabulary = [
-        ShardUnit("+".join(n for n, _ in group), tuple(m for _, m in group), vocabulary=True)
+        ShardUnit("+".join(n for n, _ in group), tuple(m for _, m in group), vocabulary=True,
+                  reshard_after_forward=not keep_vocabulary_gathered)
         for group in _group_by_shared_parameters(candidates)
     ]
     return ShardingPlan(units=tuple(layers + vocabulary), root=root)

@@ -127,6 +127,19 @@ def test_chunked_criterion_on_the_sharded_tied_embedding_matches_stock(
                                stock_run.series("train_inner", "gnorm")) <= 1e-3
 
 
+def test_vocabulary_kept_gathered_trains_as_when_resharded(
+    corpus: Path, tmp_path: Path, sharded_run: tuple[RunResult, Path]
+) -> None:
+    """--keep-vocabulary-gathered only saves all-gathers: the same losses and norms."""
+    args = training_args(corpus, tmp_path, UPDATES) + TINY + [
+        "--task", "sharded_translation", "--keep-vocabulary-gathered", "--no-save"]
+    run = run_training(args, nproc=2, plugin=True)
+    reference = sharded_run[0]
+    for key in ("loss", "gnorm"):
+        assert run.series("train_inner", key) == reference.series("train_inner", key)
+    assert len(run.series("train_inner", "loss")) == UPDATES
+
+
 def test_activation_checkpointing_inside_units_keeps_loss_and_lowers_peak(
     corpus: Path, tmp_path: Path, sharded_run: tuple[RunResult, Path]
 ) -> None:

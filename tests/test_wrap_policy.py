@@ -82,6 +82,13 @@ def test_root_reshards_unless_asked_to_keep_it_gathered(corpus: Path) -> None:
     assert not build_plan(model, keep_root_gathered=True).root.reshard_after_forward
 
 
+def test_only_the_vocabulary_unit_stays_gathered_when_asked(corpus: Path) -> None:
+    model = build_model(corpus, "translation", "transformer", SMALL)
+    units = build_plan(model, keep_vocabulary_gathered=True).units
+    assert [u.reshard_after_forward for u in units] == [not u.vocabulary for u in units]
+    assert units[-1].vocabulary and build_plan(model).root.reshard_after_forward
+
+
 def test_root_unit_only_reproduces_stock_plan(corpus: Path) -> None:
     model = build_model(corpus, "translation", "transformer", SMALL)
     plan = build_plan(model, keep_root_gathered=True, root_unit_only=True)
