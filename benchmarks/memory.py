@@ -63,9 +63,10 @@ CONFIGURATIONS = (
     Configuration("plugin+chunked-loss+ac+16-bit-vocab-reduce",
                   "+ --reduce-vocabulary-in-16-bit", None,
                   (*CHUNKED_LOSS, "--checkpoint-activations", "--reduce-vocabulary-in-16-bit")),
-    Configuration("plugin+chunked-loss+ac+vocab-gathered",
-                  "+ --keep-vocabulary-gathered: one all-gather of the vocabulary per step",
-                  None, (*CHUNKED_LOSS, "--checkpoint-activations",
+    Configuration("plugin+chunked-loss+ac+16-bit-vocab-reduce+vocab-gathered",
+                  "+ --keep-vocabulary-gathered: one all-gather of the vocabulary per step "
+                  "(the NLLB configs' settings)",
+                  None, (*CHUNKED_LOSS, "--checkpoint-activations", "--reduce-vocabulary-in-16-bit",
                          "--keep-vocabulary-gathered")),
     Configuration("plugin+chunked-loss+ac+offload",
                   "+ --cpu-offload: shards, gradients and optimizer state on the host", None,

@@ -71,8 +71,9 @@ MEASURED_FLAGS = {  # benchmarks/memory.py's configurations as estimator setting
     "plugin+chunked-loss+ac+16-bit-vocab-reduce": {
         "chunked_loss": True, "checkpoint_activations": True,
         "reduce_vocabulary_in_16_bit": True},
-    "plugin+chunked-loss+ac+vocab-gathered": {
-        "chunked_loss": True, "checkpoint_activations": True, "keep_vocabulary_gathered": True},
+    "plugin+chunked-loss+ac+16-bit-vocab-reduce+vocab-gathered": {
+        "chunked_loss": True, "checkpoint_activations": True,
+        "reduce_vocabulary_in_16_bit": True, "keep_vocabulary_gathered": True},
     # compared on the device side: the estimate's peak leaves the host-side state out
     "plugin+chunked-loss+ac+offload": {
         "chunked_loss": True, "checkpoint_activations": True, "cpu_offload": True},
@@ -151,9 +152,10 @@ def test_estimate_matches_the_measured_1_3b_and_3_3b_steps(arch: str, results: s
     ("plugin+chunked-loss+ac",  # peak once the layers' backward has started
      ["--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
       "--loss-chunk-tokens", "16"]),
-    ("plugin+chunked-loss+ac+vocab-gathered",  # its copy live from the embedding on
+    ("plugin+chunked-loss+ac+16-bit-vocab-reduce+vocab-gathered",  # the NLLB configs'
      ["--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
-      "--loss-chunk-tokens", "16", "--keep-vocabulary-gathered"]),
+      "--loss-chunk-tokens", "16", "--reduce-vocabulary-in-16-bit",
+      "--keep-vocabulary-gathered"]),
 ])
 def test_estimate_matches_a_small_measured_step(configuration: str, flags: list[str]) -> None:
     """A tiny model measured here by benchmarks/memory.py (fake process group of 2)."""
