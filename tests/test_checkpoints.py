@@ -417,6 +417,23 @@ def test_checkpoints_reload_exactly_from_2_to_4_to_1_ranks_and_bad_ones_change_n
     assert vocab and int(vocab.group(2)) == int(vocab.group(1)) + 1, on_one["other_vocab"]
 
 
+def test_hybrid_sharded_checkpoint_reloads_exactly_on_two_plain_ranks(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """A --shard-strategy hybrid run (2 shard groups of 2 ranks on a 2-D mesh) saves in the
+    sharded format; a 1-D run on 2 ranks reloads its model and Adam state bit for bit."""
+    save_dir = tmp_path / "hybrid"
+    run_training(args(corpus, save_dir, *SHARDED, "--shard-strategy", "hybrid",
+                      "--shard-group-size", "2", updates=10), nproc=4, plugin=True)
+    shards = save_dir / torch.load(save_dir / "checkpoint_last.pt",
+                                   weights_only=True)["sharded_checkpoint"]["dir"]
+    assert len(list(shards.glob("*.distcp"))) == 4
+    (reloaded,) = reshard(2, corpus, tmp_path / "two",
+                          {"exact": [str(save_dir / "checkpoint_last.pt")]})["exact"]
+    assert reloaded["model_equal"] and reloaded["optimizer_equal"], reloaded
+    assert reloaded["optimizer_tensors"] > 0 and reloaded["num_updates"] == 10
+
+
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
