@@ -12,6 +12,10 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    shards it by its own wrap policy when the trainer is built.
 2. ``Trainer``: ``train.py`` constructs ``fairseq.trainer.Trainer`` by name; under
    ``fully_sharded`` it becomes :class:`~fairseq_shard_plugin.trainer.ShardedTrainer`.
+   That subclass overrides two of the Trainer's private methods, for want of public ones:
+   ``_build_optimizer`` (the optimizer steps on fp32 master shards) and
+   ``_reduce_and_log_stats`` (an fp16 update skipped for overflow logs nothing, as in
+   fairseq, whose own skip path calls ``.cuda()`` and so cannot run on CPU ranks).
 3. ``fairseq.logging.meters.MaxMeter``: fairseq restores logged meters from checkpoints by
    looking their class names up in that module, so the plugin's per-step peak-memory meter
    is made findable there; otherwise resuming would fail on its name.
