@@ -62,8 +62,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--criterion", choices=(STOCK, CHUNKED), default=STOCK)
     p.add_argument("--loss-chunk-tokens", type=int, default=1024)
     for flag in ("root-unit-only", "keep-root-gathered", "keep-vocabulary-gathered",
-                 "checkpoint-activations",
-                 "cpu-offload", "reduce-in-16-bit", "reduce-vocabulary-in-16-bit"):
+                 "checkpoint-activations", "cpu-offload", "reduce-in-16-bit",
+                 "reduce-vocabulary-in-16-bit"):
         p.add_argument("--" + flag, action="store_true")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
