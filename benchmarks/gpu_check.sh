@@ -3,7 +3,12 @@
 # no fairseq: `make gpu-wheels` (run here, on the CPU machine) puts fairseq-fixed,
 # fairscale and their pure-Python dependencies into .whl/, which the call carries.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
-# Results land in benchmarks/results/gpu_check.{md,json} (and are copied to $OUT if set).
+# Two parts, each copied to $OUT (if set) as soon as it is done, so a timeout keeps the first:
+#   1. benchmarks/results/gpu_check.{md,json}: four trainings at the NLLB-600M shape, world
+#      size 1 (stock fairseq's fairscale path as shipped, the plugin's two engines, the
+#      NLLB configs' memory features), CUDA peak allocated and reserved;
+#   2. benchmarks/results/gpu_memory_600m.{md,json,png}: the README's 600M table measured
+#      with CUDA statistics, per rank at world size 2 (fake process group, one device).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -18,5 +23,10 @@ if ! python3 -c "import fairseq" 2>/dev/null; then
     export PATH="$SITE/bin:$PATH"
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv
-timeout 480 python3 -m benchmarks.gpu_check
-if [ -n "${OUT:-}" ]; then cp benchmarks/results/gpu_check.* "$OUT"/; fi
+keep() { if [ -n "${OUT:-}" ]; then cp benchmarks/results/"$1".* "$OUT"/ 2>/dev/null || true; fi; }
+timeout 380 python3 -m benchmarks.gpu_check || echo "gpu_check: exit $?" >&2
+keep gpu_check
+timeout 240 python3 -m benchmarks.memory --cuda --name gpu_memory_600m --configurations \
+    stock-policy,plugin,plugin+chunked-loss+ac,plugin+chunked-loss+ac+16-bit-vocab-reduce+vocab-gathered \
+    || echo "benchmarks.memory: exit $?" >&2
+keep gpu_memory_600m
