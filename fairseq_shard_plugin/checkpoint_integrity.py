@@ -18,6 +18,7 @@ from __future__ import annotations
 import zipfile
 import zlib
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -39,13 +40,18 @@ def _my_share(items: list[str], collective: bool) -> list[str]:
     return items
 
 
-def _everyones(found: list[str], collective: bool) -> list[str]:
-    """The union of every rank's findings (a collective when ``collective``)."""
+def _from_every_rank(value: Any, collective: bool) -> list[Any]:
+    """``value`` from every rank (a collective when ``collective``), else just this one."""
     if not (collective and dist.is_initialized()):
-        return found
-    gathered: list[list[str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, found)
-    return sorted(name for part in gathered for name in part or [])
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _everyones(found: list[str], collective: bool) -> list[str]:
+    """The union of every rank's findings, sorted."""
+    return sorted(name for part in _from_every_rank(found, collective) for name in part)
 
 
 def damaged_zip_entries(path: Path, collective: bool = False) -> list[str]:
@@ -72,11 +78,8 @@ def shard_checksums(directory: Path, collective: bool = True) -> dict[str, int]:
     """CRC-32 of every ``.distcp`` file of a finished DCP save, computed by all ranks."""
     names = sorted(path.name for path in directory.glob("*.distcp"))
     mine = {name: file_crc32(directory / name) for name in _my_share(names, collective)}
-    if not (collective and dist.is_initialized()):
-        return mine
-    gathered: list[dict[str, int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return {name: crc for part in gathered for name, crc in (part or {}).items()}
+    return {name: crc for part in _from_every_rank(mine, collective)
+            for name, crc in part.items()}
 
 
 def mismatched_shard_files(
