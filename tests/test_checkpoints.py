@@ -1,10 +1,12 @@
 """Checkpoints on gloo CPU ranks: crash safety (SIGKILL on every rank), exact resume,
-sharded (DCP) save and reload on other world sizes, consolidated export.
+sharded (DCP) save and reload on other world sizes, consolidated export, checkpoints
+written by stock fairseq, and refusals of damaged or mismatched files.
 
-Five launches share the work: an uninterrupted 40-update run (full checkpoints, with the
-end-of-training export) is the reference; a sharded-format run killed right after its
+Module fixtures share the launches: an uninterrupted 40-update run (full checkpoints, with
+the end-of-training export) is the reference; a sharded-format run killed right after its
 update-20 save and its resume killed inside the update-30 save must reproduce its losses
-exactly; helpers reload the checkpoints on 4 and then 1 rank.
+exactly; a stock fairseq run provides a standard checkpoint; helpers reload them all on 4
+and then 1 rank.
 """
 
 from __future__ import annotations
