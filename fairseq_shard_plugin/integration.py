@@ -102,10 +102,22 @@ def _select_trainer(stock_trainer: type) -> Callable[..., Any]:
     return make_trainer
 
 
+_export_follows_main = False
+
+
+def export_follows_training() -> bool:
+    """True when this process's training runs inside hook 4, which does the
+    ``--export-consolidated`` export afterwards (not so when ``fairseq-hydra-train``
+    imported the plugin only from ``common.user_dir``: see ``hydra_callback``)."""
+    return _export_follows_main
+
+
 def _then_export(main: Callable[..., Any]) -> Callable[..., Any]:
     """``main`` (the training), then ``--export-consolidated`` on rank 0."""
 
     def train_then_export(cfg: Any, **kwargs: Any) -> Any:
+        global _export_follows_main
+        _export_follows_main = True
         result = main(cfg, **kwargs)
         target = sharding_options(cfg.task).export_consolidated
         if target and cfg.distributed_training.distributed_rank == 0:

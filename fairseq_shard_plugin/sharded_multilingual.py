@@ -1,21 +1,33 @@
 """Task ``sharded_translation_multi_simple_epoch``: fairseq's multilingual task (the NLLB
-recipes' task) plus the sharding options. fairseq configures that task with argparse, so
-the options are added from the same :class:`ShardingConfig` as ``sharded_translation``'s."""
+recipes' task) plus the sharding options, under ``fairseq-train`` and
+``fairseq-hydra-train`` alike (its dataclass config: :mod:`.multilingual_config`)."""
 
 from typing import Any
 
 from fairseq.tasks import register_task
 from fairseq.tasks.translation_multi_simple_epoch import TranslationMultiSimpleEpochTask
 
+from fairseq_shard_plugin.multilingual_config import (
+    TASK_NAME,
+    ShardedMultilingualConfig,
+    keep_option_text,
+    task_namespace,
+)
 from fairseq_shard_plugin.options import add_sharding_args
 
 
-@register_task("sharded_translation_multi_simple_epoch")
+@register_task(TASK_NAME, dataclass=ShardedMultilingualConfig)
 class ShardedTranslationMultiSimpleEpochTask(TranslationMultiSimpleEpochTask):
-    """Identical to ``translation_multi_simple_epoch``; its arguments carry the sharding
-    options."""
+    """Identical to ``translation_multi_simple_epoch``; its config carries the sharding
+    options and is converted to the parent's argparse form when the task is set up."""
 
     @staticmethod
     def add_args(parser: Any) -> None:
+        first_task_option = len(parser._actions)
         TranslationMultiSimpleEpochTask.add_args(parser)
+        keep_option_text(parser, first_task_option)
         add_sharding_args(parser)
+
+    @classmethod
+    def setup_task(cls, cfg: Any, **kwargs: Any) -> "ShardedTranslationMultiSimpleEpochTask":
+        return super().setup_task(task_namespace(cfg), **kwargs)

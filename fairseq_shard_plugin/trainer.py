@@ -35,7 +35,7 @@ from fairseq_shard_plugin.checkpoint_files import (
 )
 from fairseq_shard_plugin.checkpoint_sharded import ShardedCheckpointError
 from fairseq_shard_plugin.engines import build_engine
-from fairseq_shard_plugin.integration import loading_into_trainer
+from fairseq_shard_plugin.integration import export_follows_training, loading_into_trainer
 from fairseq_shard_plugin.launch_env import ensure_process_group, uses_cuda
 from fairseq_shard_plugin.local_shards import LocalShards
 from fairseq_shard_plugin.memory import StepMemoryProbe, storage_bytes, watch_offloaded_state
@@ -95,6 +95,12 @@ class ShardedTrainer(Trainer):
     def __init__(self, cfg: Any, task: Any, model: Any, criterion: Any, quantizer: Any = None):
         check_sharded_config(cfg)
         self.sharding_options = sharding_options(cfg.task)
+        if self.sharding_options.export_consolidated and not export_follows_training():
+            raise ShardingConfigError(
+                "task.export_consolidated: fairseq-hydra-train loaded the plugin too late to "
+                "export after training: add the plugin's Hydra callback to the config (hydra."
+                "callbacks, as configs/nllb/*.yaml do) or run fairseq-shard-consolidate later"
+            )
         use_cuda = uses_cuda(cfg)
         ensure_process_group(cfg, use_cuda)
         self.sharding_plan = build_plan(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -50,3 +51,60 @@ def test_unknown_engine_from_a_hydra_override_is_refused(corpus: Path, tmp_path:
     output = completed.stdout + completed.stderr
     # the task's dataclass config checks the choice when Hydra's config is merged into it
     assert "Invalid value 'deepspeed', expected one of [fsdp2, fairscale]" in output
+
+
+def multilingual_overrides(data: Path) -> list[str]:
+    pivot, *others = (data / "langs.txt").read_text().split()
+    pairs = ",".join([f"{pivot}-{o}" for o in others] + [f"{o}-{pivot}" for o in others])
+    return ["+corpus=multilingual", f"task.data={data}", f"task.lang_pairs='{pairs}'",
+            f"task.lang_dict={data / 'langs.txt'}"]
+
+
+def test_nllb_multilingual_task_trains_exports_and_generates(
+    multilingual: Path, tmp_path: Path
+) -> None:
+    """The NLLB recipe's task through fairseq-hydra-train (+corpus=multilingual), its
+    end-of-training export read by fairseq-generate in one direction."""
+    export = tmp_path / "export.pt"
+    completed = hydra_train(2, "tiny", *multilingual_overrides(multilingual),
+                            "optimization.max_update=20", "common.log_format=json",
+                            "checkpoint.no_save=false", f"checkpoint.save_dir={tmp_path / 'save'}",
+                            f"task.export_consolidated={export}", cwd=tmp_path)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-4000:]
+    assert "main:eng_Latn-deu_Latn src_langtok" in output  # language tokens, every direction
+    losses = [float(entry["loss"]) for entry in parse_logs(output)["train_inner"]]
+    assert len(losses) == 20 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0
+    generated = subprocess.run(
+        [tool("fairseq-generate"), str(multilingual), "--path", str(export), "--cpu",
+         "--user-dir", str(PLUGIN_DIR), "--task", "sharded_translation_multi_simple_epoch",
+         "--lang-pairs", "eng_Latn-fra_Latn", "--lang-dict", str(multilingual / "langs.txt"),
+         "--source-lang", "eng_Latn", "--target-lang", "fra_Latn", "--encoder-langtok", "src",
+         "--decoder-langtok", "--gen-subset", "valid", "--beam", "2", "--max-tokens", "1000"],
+        capture_output=True, text=True, timeout=300)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    translated = re.search(r"Translated (\d+) sentences", generated.stdout + generated.stderr)
+    hypotheses = sum(line.startswith("H-") for line in generated.stdout.splitlines())
+    assert translated and hypotheses == int(translated.group(1)) > 40  # of 50
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [(["task.encoder_langtok=xx"],
+      "fairseq-shard-plugin: error: sharded_translation_multi_simple_epoch: argument "
+      "--encoder-langtok: invalid choice: 'xx' (choose from 'src', 'tgt') "
+      "(Hydra key: task.encoder_langtok)"),
+     # a config without the plugin's Hydra callback: the export would silently not happen
+     (["~hydra.callbacks.fairseq_shard_plugin", "checkpoint.no_save=false",
+       "task.export_consolidated=out.pt"],
+      "task.export_consolidated: fairseq-hydra-train loaded the plugin too late")],
+)
+def test_multilingual_mistakes_are_refused_before_training(
+    multilingual: Path, tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    completed = hydra_train(1, "tiny", *multilingual_overrides(multilingual), *overrides,
+                            cwd=tmp_path)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode != 0
+    assert message in output
+    assert "train_inner" not in output and not (tmp_path / "out.pt").exists()

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
 import torch
 from fairseq import options
 from fairseq.data import Dictionary
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf, merge_with_parent
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
+from omegaconf import OmegaConf
 
 import fairseq_shard_plugin  # noqa: F401  (registers the architectures, as --user-dir does)
 from benchmarks.harness import run_training
+from fairseq_shard_plugin.multilingual_config import (
+    MultilingualOptionError,
+    ShardedMultilingualConfig,
+    task_namespace,
+    task_options,
+    task_parser,
+)
 
-LANGUAGES = ["eng_Latn", "fra_Latn", "deu_Latn"]
 VOCABULARY = 256_206
 
 
@@ -55,19 +62,10 @@ def test_nllb_architectures_have_their_published_sizes(
     assert model.encoder.embed_tokens is model.decoder.embed_tokens
 
 
-@pytest.fixture(scope="module")
-def multilingual(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("multilingual")
-    subprocess.run([sys.executable, "-m", "fairseq_shard_plugin.synthetic_corpus", str(out),
-                    "--languages", ",".join(LANGUAGES), "--train", "600", "--valid", "50"],
-                   check=True, capture_output=True)
-    return out / "bin"
-
-
 def nllb_sweep_flags(data: Path, save_dir: Path) -> list[str]:
     """The NLLB recipe's flags, at a toy model size, as users pass them to fairseq-train."""
-    pairs = [f"{LANGUAGES[0]}-{o}" for o in LANGUAGES[1:]] + [f"{o}-{LANGUAGES[0]}"
-                                                            for o in LANGUAGES[1:]]
+    pivot, *others = (data / "langs.txt").read_text().split()
+    pairs = [f"{pivot}-{o}" for o in others] + [f"{o}-{pivot}" for o in others]
     return [
         str(data), "--cpu", "--save-dir", str(save_dir), "--no-save",
         "--task", "translation_multi_simple_epoch", "--lang-pairs", ",".join(pairs),
@@ -97,3 +95,55 @@ def test_nllb_sweep_trains_with_only_user_dir_and_task_changed(
     assert len(losses) == 25
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
     assert "peak_mem_gb" in run.logs["train_inner"][-1]
+
+
+# options that exercise every kind of conversion the task's parser does: comma lists, a
+# dictionary literal, a file-or-text option, choices, flags, numbers
+CONVERTED_OPTIONS = ["--langtoks-specs", "main,dae", "--extra-data", "{'mined': '/data/mined'}",
+                     "--virtual-epoch-size", "1000", "--lang-tok-replacing-bos-eos"]
+
+
+def test_both_entry_points_give_the_multilingual_task_its_stock_options(
+    multilingual: Path, tmp_path: Path
+) -> None:
+    """fairseq-train's flags and the equivalent Hydra keys reach the parent task as the very
+    Namespace values stock ``translation_multi_simple_epoch`` gets from fairseq-train."""
+    flags = nllb_sweep_flags(multilingual, tmp_path) + CONVERTED_OPTIONS
+
+    def parsed(task: str) -> Namespace:
+        flags[flags.index("--task") + 1] = task
+        return options.parse_args_and_arch(options.get_training_parser(), flags)
+
+    stock = parsed("translation_multi_simple_epoch")
+    from_flags = task_namespace(convert_namespace_to_omegaconf(
+        parsed("sharded_translation_multi_simple_epoch")).task)
+    hydra_keys = {  # as a user writes them in a YAML config or as overrides
+        "data": str(multilingual), "lang_pairs": stock.lang_pairs,
+        "lang_dict": str(multilingual / "langs.txt"), "encoder_langtok": "src",
+        "decoder_langtok": True, "sampling_method": "temperature", "sampling_temperature": 1.5,
+        "langtoks_specs": "main,dae", "extra_data": "{'mined': '/data/mined'}",
+        "virtual_epoch_size": 1000, "lang_tok_replacing_bos_eos": True,
+    }
+    root = OmegaConf.create({"common": {"seed": 2},
+                             "dataset": {"dataset_impl": None, "train_subset": "train"},
+                             "task": hydra_keys})
+    from_hydra = task_namespace(merge_with_parent(ShardedMultilingualConfig(), root.task))
+    compared = [a.dest for a in task_options(task_parser()) if hasattr(stock, a.dest)]
+    assert len(compared) > 30
+    for name in compared:
+        assert getattr(from_flags, name) == getattr(stock, name), name
+        assert getattr(from_hydra, name) == getattr(stock, name), name
+    assert from_hydra.extra_data == {"mined": "/data/mined"}
+    assert from_hydra.langtoks_specs == ["main", "dae"]
+    assert (from_flags.seed, from_hydra.seed) == (2, 2)  # read by the task, not its option
+
+
+def test_a_bad_multilingual_option_names_its_flag_and_hydra_key() -> None:
+    cfg = Namespace(**{**vars(task_namespace(Namespace(data="d", lang_pairs="a-b"))),
+                       "sampling_method": "random"})
+    with pytest.raises(MultilingualOptionError) as raised:
+        task_namespace(cfg)
+    assert str(raised.value) == (
+        "sharded_translation_multi_simple_epoch: argument --sampling-method: invalid choice: "
+        "'random' (choose from 'uniform', 'temperature', 'concat', 'RoundRobin') "
+        "(Hydra key: task.sampling_method)")
