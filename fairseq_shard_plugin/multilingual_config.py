@@ -5,7 +5,8 @@ fairseq's Hydra entry point only sets up tasks registered with a dataclass confi
 argparse. Rather than restating its options (and missing those another fairseq version,
 such as the NLLB branch, adds), the dataclass is generated from the parser the task fills
 itself: one field per option, holding the option's text as a user writes it on the
-command line (``langs: eng_Latn,fra_Latn``, ``decoder_langtok: true``). When the task is
+command line (``langs: eng_Latn,fra_Latn``, ``decoder_langtok: true``); the options its
+parser turns into lists or dictionaries also accept those from YAML. When the task is
 set up, :func:`task_namespace` passes those values through that same parser, so types,
 choices and ``--lang-pairs`` files are converted exactly as under ``fairseq-train``.
 No ``from __future__ import annotations`` here: fairseq reads the field types at runtime.
@@ -80,7 +81,9 @@ def _field(action: argparse.Action) -> tuple[str, Any, Any]:
     if not action.option_strings:  # the positional data path
         return action.dest, str, field(default=MISSING, metadata=help_text)
     default = action.default
-    if action.nargs not in (None, "?") or not isinstance(default, (str, int, float, type(None))):
+    if (_converts_text(action) or action.nargs not in (None, "?")
+            or not isinstance(default, (str, int, float, type(None)))):
+        # text to convert, or the converted value itself from a YAML list or mapping
         return action.dest, Any, field(default_factory=lambda: default, metadata=help_text)
     kind = action.type if action.type in (int, float) else str
     return action.dest, Optional[kind], field(default=default, metadata=help_text)  # noqa: UP045

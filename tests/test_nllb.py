@@ -14,7 +14,7 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from omegaconf import OmegaConf
 
 import fairseq_shard_plugin  # noqa: F401  (registers the architectures, as --user-dir does)
-from benchmarks.harness import run_training
+from benchmarks.harness import REPO, run_training
 from fairseq_shard_plugin.multilingual_config import (
     MultilingualOptionError,
     ShardedMultilingualConfig,
@@ -124,18 +124,29 @@ def test_both_entry_points_give_the_multilingual_task_its_stock_options(
         "langtoks_specs": "main,dae", "extra_data": "{'mined': '/data/mined'}",
         "virtual_epoch_size": 1000, "lang_tok_replacing_bos_eos": True,
     }
-    root = OmegaConf.create({"common": {"seed": 2},
-                             "dataset": {"dataset_impl": None, "train_subset": "train"},
-                             "task": hydra_keys})
-    from_hydra = task_namespace(merge_with_parent(ShardedMultilingualConfig(), root.task))
+    yaml_forms = {**hydra_keys, "langtoks_specs": ["main", "dae"],
+                  "extra_data": {"mined": "/data/mined"}}
+
+    def from_hydra(task_keys: dict) -> Namespace:
+        root = OmegaConf.create({"common": {"seed": 2},
+                                 "dataset": {"dataset_impl": None, "train_subset": "train"},
+                                 "task": task_keys})
+        return task_namespace(merge_with_parent(ShardedMultilingualConfig(), root.task))
+
     compared = [a.dest for a in task_options(task_parser()) if hasattr(stock, a.dest)]
     assert len(compared) > 30
-    for name in compared:
-        assert getattr(from_flags, name) == getattr(stock, name), name
-        assert getattr(from_hydra, name) == getattr(stock, name), name
-    assert from_hydra.extra_data == {"mined": "/data/mined"}
-    assert from_hydra.langtoks_specs == ["main", "dae"]
-    assert (from_flags.seed, from_hydra.seed) == (2, 2)  # read by the task, not its option
+    for route in (from_flags, from_hydra(hydra_keys), from_hydra(yaml_forms)):
+        for name in compared:
+            assert getattr(route, name) == getattr(stock, name), name
+        assert route.seed == 2  # read by the task, though not one of its options
+    assert stock.extra_data == {"mined": "/data/mined"} and stock.langtoks_specs == ["main", "dae"]
+
+
+def test_multilingual_hydra_config_lists_every_option_of_the_task() -> None:
+    listed = OmegaConf.load(REPO / "configs" / "nllb" / "corpus" / "multilingual.yaml").task
+    options_of_task = {a.dest for a in task_options(task_parser())} - {"data"}
+    assert options_of_task <= set(listed), options_of_task - set(listed)
+    assert listed._name == "sharded_translation_multi_simple_epoch"
 
 
 def test_a_bad_multilingual_option_names_its_flag_and_hydra_key() -> None:
