@@ -26,6 +26,8 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    checkpoint that cannot be loaded into a one-line error naming the file and the mismatch.
    Under ``--export-consolidated PATH`` it also runs, after training on rank 0, the export
    of the final ``checkpoint_last.pt`` (fairseq's ``main`` has no end-of-training hook).
+   ``fairseq-hydra-train`` imports ``common.user_dir`` inside ``main``, after this call:
+   there the plugin's Hydra callback (``hydra_callback``) imports the plugin at job start.
 5. ``checkpoint_utils.save_checkpoint``: fairseq writes the first checkpoint name through
    ``Trainer.save_checkpoint`` (atomic in the plugin's trainer) and then copies it to the
    other names (``checkpoint_last.pt``, ``checkpoint_best.pt``) with
