@@ -19,7 +19,7 @@ lint: install
 	$(VENV)/bin/ruff check fairseq_shard_plugin tests benchmarks
 
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 demo: install
 	$(PY) -m benchmarks.demo

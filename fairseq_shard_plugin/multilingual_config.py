@@ -113,6 +113,11 @@ def keep_option_text(parser: argparse.ArgumentParser, first_action: int) -> None
 
 def _values(cfg: Any) -> dict[str, Any]:
     if OmegaConf.is_config(cfg):
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        if missing:
+            raise MultilingualOptionError(
+                f"{TASK_NAME}: set {', '.join(f'task.{key}' for key in missing)} "
+                "(the config leaves it ???)")
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
     if dataclasses.is_dataclass(cfg):
         return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}

@@ -9,6 +9,7 @@ from fairseq.tasks.translation_multi_simple_epoch import TranslationMultiSimpleE
 
 from fairseq_shard_plugin.multilingual_config import (
     TASK_NAME,
+    MultilingualOptionError,
     ShardedMultilingualConfig,
     keep_option_text,
     task_namespace,
@@ -30,4 +31,9 @@ class ShardedTranslationMultiSimpleEpochTask(TranslationMultiSimpleEpochTask):
 
     @classmethod
     def setup_task(cls, cfg: Any, **kwargs: Any) -> "ShardedTranslationMultiSimpleEpochTask":
-        return super().setup_task(task_namespace(cfg), **kwargs)
+        try:
+            return super().setup_task(task_namespace(cfg), **kwargs)
+        except ValueError as error:  # the parent's checks of its options, e.g. no --lang-pairs
+            if isinstance(error, MultilingualOptionError):
+                raise
+            raise MultilingualOptionError(f"{TASK_NAME}: {error}") from error

@@ -13,6 +13,7 @@ language renders the same underlying sentence with its own word permutation and 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
 import subprocess
@@ -92,8 +93,17 @@ def write_multilingual(
     return directions
 
 
-def _preprocess(arguments: list[str]) -> None:
-    command = [sys.executable, "-m", "fairseq_cli.preprocess", *arguments]
+# fairseq-preprocess once per argument list, in one process (fairseq imports once)
+_PREPROCESS_EACH = """import json, sys
+from fairseq import options
+from fairseq_cli import preprocess
+for arguments in json.loads(sys.argv[1]):
+    preprocess.main(options.get_preprocessing_parser().parse_args(arguments))
+"""
+
+
+def _preprocess(*argument_lists: list[str]) -> None:
+    command = [sys.executable, "-c", _PREPROCESS_EACH, json.dumps(argument_lists)]
     completed = subprocess.run(command, capture_output=True, text=True)
     if completed.returncode != 0:
         raise RuntimeError(f"fairseq-preprocess failed:\n{completed.stderr[-3000:]}")
@@ -109,14 +119,18 @@ def binarize_multilingual(
             for src, tgt in directions:
                 combined.write((raw_dir / f"train.{src}-{tgt}.{src if side == 'src' else tgt}")
                                .read_text())
-    _preprocess(["--source-lang", "src", "--target-lang", "tgt", "--joined-dictionary",
-                 "--dict-only", "--trainpref", str(everything), "--destdir", str(raw_dir / "d")])
     dictionary = raw_dir / "d" / "dict.src.txt"
+    make_dictionary = ["--source-lang", "src", "--target-lang", "tgt", "--joined-dictionary",
+                       "--dict-only", "--trainpref", str(everything), "--destdir",
+                       str(dictionary.parent)]
+    binarize_directions = []
     for src, tgt in directions:
         prefix = {f"--{split}pref": str(raw_dir / f"{split}.{src}-{tgt}") for split in SPLITS}
-        _preprocess(["--source-lang", src, "--target-lang", tgt, "--srcdict", str(dictionary),
-                     "--tgtdict", str(dictionary), "--destdir", str(bin_dir),
-                     *[item for pair in prefix.items() for item in pair]])
+        binarize_directions.append(
+            ["--source-lang", src, "--target-lang", tgt, "--srcdict", str(dictionary),
+             "--tgtdict", str(dictionary), "--destdir", str(bin_dir),
+             *[item for pair in prefix.items() for item in pair]])
+    _preprocess(make_dictionary, *binarize_directions)
     for lang in languages:
         shutil.copy(dictionary, bin_dir / f"dict.{lang}.txt")
     (bin_dir / "langs.txt").write_text("".join(lang + "\n" for lang in languages))

@@ -158,3 +158,11 @@ def test_a_bad_multilingual_option_names_its_flag_and_hydra_key() -> None:
         "sharded_translation_multi_simple_epoch: argument --sampling-method: invalid choice: "
         "'random' (choose from 'uniform', 'temperature', 'concat', 'RoundRobin') "
         "(Hydra key: task.sampling_method)")
+
+
+def test_a_multilingual_key_left_missing_is_named() -> None:
+    cfg = OmegaConf.structured(
+        ShardedMultilingualConfig(seed=1, dataset_impl=None, train_subset="train"))
+    cfg.lang_pairs = "???"  # as corpus/multilingual.yaml has it; data is ??? by default
+    with pytest.raises(MultilingualOptionError, match=r"set task\.data, task\.lang_pairs \(the"):
+        task_namespace(cfg)
