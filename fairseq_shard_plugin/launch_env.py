@@ -145,7 +145,8 @@ def ensure_process_group(cfg: Any, use_cuda: bool) -> None:
     """FSDP needs a process group even where fairseq did not make one.
 
     ``fairseq-hydra-train`` imports the user dir only after it has chosen how to launch, so
-    under torchrun it runs every rank as a lone process: such a rank joins the others here,
+    without the plugin's Hydra callback (``hydra_callback``) it runs every rank under
+    torchrun as a lone process: such a rank joins the others here,
     from torchrun's environment. A single process without torchrun gets a 1-rank group.
     """
     if dist.is_initialized():

@@ -31,9 +31,8 @@ class ShardedTranslationMultiSimpleEpochTask(TranslationMultiSimpleEpochTask):
 
     @classmethod
     def setup_task(cls, cfg: Any, **kwargs: Any) -> "ShardedTranslationMultiSimpleEpochTask":
+        namespace = task_namespace(cfg)
         try:
-            return super().setup_task(task_namespace(cfg), **kwargs)
+            return super().setup_task(namespace, **kwargs)
         except ValueError as error:  # the parent's checks of its options, e.g. no --lang-pairs
-            if isinstance(error, MultilingualOptionError):
-                raise
             raise MultilingualOptionError(f"{TASK_NAME}: {error}") from error

@@ -23,9 +23,12 @@ def hydra_train(nproc: int, config: str, *overrides: str, cwd: Path) -> subproce
 
 
 def test_tiny_config_trains_on_two_cpu_ranks_with_overrides(corpus: Path, tmp_path: Path) -> None:
+    # without the plugin's Hydra callback, as a config of the user's own: the plugin arrives
+    # with common.user_dir only, and each rank joins torchrun's process group in the trainer
     completed = hydra_train(2, "tiny", f"task.data={corpus}", "optimization.max_update=15",
                             "common.log_format=json", "dataset.max_tokens=400",
-                            "task.keep_root_gathered=true", cwd=tmp_path)
+                            "task.keep_root_gathered=true", "~hydra.callbacks.fairseq_shard_plugin",
+                            cwd=tmp_path)
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output[-4000:]
     assert "and the root over 2 ranks" in output
