@@ -63,21 +63,47 @@ def multilingual_overrides(data: Path) -> list[str]:
             f"task.lang_dict={data / 'langs.txt'}"]
 
 
-def test_nllb_multilingual_task_trains_exports_and_generates(
-    multilingual: Path, tmp_path: Path
-) -> None:
-    """The NLLB recipe's task through fairseq-hydra-train (+corpus=multilingual), its
-    end-of-training export read by fairseq-generate in one direction."""
-    export = tmp_path / "export.pt"
+@pytest.fixture(scope="module")
+def multilingual_run(multilingual: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The NLLB recipe's task through fairseq-hydra-train (+corpus=multilingual) on 2 ranks:
+    20 updates, a checkpoint every 10, the final model exported."""
+    out = tmp_path_factory.mktemp("multilingual_run")
     completed = hydra_train(2, "tiny", *multilingual_overrides(multilingual),
                             "optimization.max_update=20", "common.log_format=json",
-                            "checkpoint.no_save=false", f"checkpoint.save_dir={tmp_path / 'save'}",
-                            f"task.export_consolidated={export}", cwd=tmp_path)
+                            "checkpoint.no_save=false", "checkpoint.save_interval_updates=10",
+                            f"checkpoint.save_dir={out / 'save'}",
+                            f"task.export_consolidated={out / 'export.pt'}", cwd=out)
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output[-4000:]
-    assert "main:eng_Latn-deu_Latn src_langtok" in output  # language tokens, every direction
     losses = [float(entry["loss"]) for entry in parse_logs(output)["train_inner"]]
+    return {"output": output, "losses": losses, "out": out}
+
+
+def test_nllb_multilingual_task_trains_under_hydra(multilingual_run: dict) -> None:
+    assert "main:eng_Latn-deu_Latn src_langtok" in multilingual_run["output"]  # every direction
+    losses = multilingual_run["losses"]
     assert len(losses) == 20 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0
+
+
+def test_nllb_multilingual_run_resumes_exactly(
+    multilingual: Path, multilingual_run: dict, tmp_path: Path
+) -> None:
+    """Resumed from its update-10 checkpoint, the run repeats updates 11-20 exactly (the
+    multilingual task's own sampling and data position restored)."""
+    checkpoint = multilingual_run["out"] / "save" / "checkpoint_1_10.pt"
+    completed = hydra_train(2, "tiny", *multilingual_overrides(multilingual),
+                            "optimization.max_update=20", "common.log_format=json",
+                            "checkpoint.no_save=true", f"checkpoint.restore_file={checkpoint}",
+                            cwd=tmp_path)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-4000:]
+    resumed = [float(entry["loss"]) for entry in parse_logs(output)["train_inner"]]
+    assert resumed == multilingual_run["losses"][10:]
+
+
+def test_nllb_multilingual_export_translates(multilingual: Path, multilingual_run: dict) -> None:
+    """The end-of-training export, read by fairseq-generate in one direction."""
+    export = multilingual_run["out"] / "export.pt"
     generated = subprocess.run(
         [tool("fairseq-generate"), str(multilingual), "--path", str(export), "--cpu",
          "--user-dir", str(PLUGIN_DIR), "--task", "sharded_translation_multi_simple_epoch",
