@@ -66,8 +66,12 @@ def task_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 
 
 def _converts_text(action: argparse.Action) -> bool:
-    """True for options whose parser turns the text into something else (a list, a dict)."""
-    return action.type not in (None, str, int, float)
+    """True for options whose parser turns the text into something else (a list, a dict,
+    a file's contents): a converting ``type=`` or an action class of the task's own."""
+    return action.type not in (None, str, int, float) or type(action) is not _PLAIN_STORE
+
+
+_PLAIN_STORE = type(argparse.ArgumentParser().add_argument("--x"))
 
 
 def _is_flag(action: argparse.Action) -> bool:
@@ -102,13 +106,27 @@ def _build_config() -> type:
 ShardedMultilingualConfig = _build_config()
 
 
-def keep_option_text(parser: argparse.ArgumentParser, first_action: int) -> None:
-    """Under ``fairseq-train``, leave the task's converting options as the text typed, as
-    Hydra holds them; :func:`task_namespace` converts them once, for both entry points.
-    (fairseq copies the parsed values into the dataclass config, which holds text.)"""
-    for action in parser._actions[first_action:]:
-        if _converts_text(action) and action.nargs in (None, "?"):
-            action.type = None
+def add_text_options(parser: argparse.ArgumentParser) -> None:
+    """Under ``fairseq-train``: the task's options, each keeping the text typed, as Hydra
+    holds them (fairseq copies the parsed values into the dataclass config, where a list
+    or a dictionary would not fit); :func:`task_namespace` converts them, for both entry
+    points. An option the model already defines (``--max-source-positions``) is skipped,
+    as the task itself does."""
+    for action in task_options(task_parser()):
+        if not action.option_strings:
+            parser.add_argument(action.dest, help=action.help)
+            continue
+        if _is_flag(action):
+            kwargs = {"action": "store_const", "const": action.const}
+        else:
+            kwargs = {"nargs": action.nargs, "metavar": action.metavar,
+                      "type": None if _converts_text(action) else action.type,
+                      "choices": None if _converts_text(action) else action.choices}
+        try:
+            parser.add_argument(*action.option_strings, dest=action.dest,
+                                default=action.default, help=action.help, **kwargs)
+        except argparse.ArgumentError:
+            continue
 
 
 def _values(cfg: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from fairseq_shard_plugin.multilingual_config import (
     TASK_NAME,
     MultilingualOptionError,
     ShardedMultilingualConfig,
-    keep_option_text,
+    add_text_options,
     task_namespace,
 )
 from fairseq_shard_plugin.options import add_sharding_args
@@ -24,9 +24,7 @@ class ShardedTranslationMultiSimpleEpochTask(TranslationMultiSimpleEpochTask):
 
     @staticmethod
     def add_args(parser: Any) -> None:
-        first_task_option = len(parser._actions)
-        TranslationMultiSimpleEpochTask.add_args(parser)
-        keep_option_text(parser, first_task_option)
+        add_text_options(parser)
         add_sharding_args(parser)
 
     @classmethod
