@@ -65,13 +65,13 @@ def task_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return [a for a in parser._actions if a.dest not in ("help", argparse.SUPPRESS)]
 
 
+_PLAIN_STORE = type(argparse.ArgumentParser().add_argument("--x"))  # argparse's "store"
+
+
 def _converts_text(action: argparse.Action) -> bool:
     """True for options whose parser turns the text into something else (a list, a dict,
     a file's contents): a converting ``type=`` or an action class of the task's own."""
     return action.type not in (None, str, int, float) or type(action) is not _PLAIN_STORE
-
-
-_PLAIN_STORE = type(argparse.ArgumentParser().add_argument("--x"))
 
 
 def _is_flag(action: argparse.Action) -> bool:
