@@ -18,6 +18,7 @@ import warnings
 from dataclasses import asdict, replace
 from typing import Any
 
+from fairseq_shard_plugin.estimate_config import defaults_from_hydra_config
 from fairseq_shard_plugin.memory_model import (
     GIB,
     Estimate,
@@ -42,6 +43,9 @@ class EstimateError(ValueError):
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help="a fairseq-hydra-train config (e.g. configs/nllb/"
+                   "dense_600m.yaml): its model, precision, optimizer, criterion, max tokens "
+                   "and plugin keys become the defaults; flags given as well override them")
     p.add_argument("--arch", default="nllb_dense_600m",
                    help="any registered fairseq encoder-decoder transformer arch")
     for flag in SIZE_FLAGS:
@@ -67,6 +71,15 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--" + flag, action="store_true")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """Flags, with defaults from ``--config`` where one is given."""
+    p = parser()
+    config = p.parse_known_args(argv)[0].config
+    if config is not None:
+        p.set_defaults(**defaults_from_hydra_config(config))
+    return p.parse_args(argv)
 
 
 def _check(options: argparse.Namespace) -> None:
@@ -191,7 +204,7 @@ def table(results: dict[str, Estimate], setup: TrainingSetup) -> str:
 
 def run(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse ``argv`` and return the estimate as a JSON-ready dict."""
-    options = parser().parse_args(argv)
+    options = parse(argv)
     _check(options)
     shape = shape_from_fairseq(options)
     setup = setup_from(options)

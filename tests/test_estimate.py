@@ -209,3 +209,27 @@ def test_bad_input_is_one_line_naming_the_flag() -> None:
     assert completed.returncode != 0
     assert completed.stderr.strip().splitlines()[-1] == (
         "fairseq-shard-estimate: error: --world-size must be at least 1, got 0")
+
+
+def test_a_hydra_config_gives_the_same_estimate_as_its_flags(tmp_path: Path) -> None:
+    """configs/nllb/dense_600m.yaml read by --config equals the same settings as flags;
+    flags given beside it override it."""
+    config = str(REPO / "configs" / "nllb" / "dense_600m.yaml")
+    as_flags = run(["--arch", "nllb_dense_600m", "--memory-efficient-fp16",
+                    "--criterion", "chunked_label_smoothed_cross_entropy",
+                    "--loss-chunk-tokens", "1024", "--checkpoint-activations",
+                    "--reduce-vocabulary-in-16-bit", "--keep-vocabulary-gathered"])
+    from_config = run(["--config", config])
+    for report in (as_flags, from_config):
+        report.pop("_estimates")
+    assert from_config == as_flags
+    assert from_config["setup"]["chunked_loss"] and from_config["setup"]["tokens"] == 4096
+    assert run(["--config", config, "--max-tokens", "2048"])["setup"]["tokens"] == 2048
+    adafactor = tmp_path / "adafactor.yaml"
+    adafactor.write_text("optimizer:\n  _name: adafactor\n")
+    completed = subprocess.run([str(SCRIPT), "--config", str(adafactor)],
+                               capture_output=True, text=True)
+    assert completed.returncode != 0
+    assert completed.stderr.strip().splitlines()[-1] == (
+        f"fairseq-shard-estimate: error: --config {adafactor}: optimizer adafactor is not "
+        "modelled (one of adam, sgd): pass --optimizer instead")
