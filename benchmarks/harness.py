@@ -139,6 +139,28 @@ def run_training(
     return RunResult(completed.returncode, output, parse_logs(output), memory)
 
 
+def run_like_srun(command: list[str], ranks: int, cwd: Path = REPO) -> list[str]:
+    """Start ``command`` once per rank the way ``srun --ntasks-per-node N`` does: only
+    Slurm's variables (no torchrun's), one node here; every rank's output, after checking
+    that each succeeded. The command picks its own rendezvous port."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT",
+                                                             "WORLD_SIZE", "RANK")}
+    env.update(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1", SLURM_NTASKS=str(ranks), SLURM_NODEID="0",
+               SLURM_JOB_NODELIST="127.0.0.1", SLURM_TASKS_PER_NODE=str(ranks),
+               SLURM_JOB_ID="1")
+    tasks = [
+        subprocess.Popen(command, env=dict(env, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
+        for rank in range(ranks)
+    ]
+    outputs = [task.communicate(timeout=600)[0] for task in tasks]
+    for task, output in zip(tasks, outputs, strict=True):
+        if task.returncode != 0:
+            raise RuntimeError(f"a rank failed ({task.returncode}):\n{output[-6000:]}")
+    return outputs
+
+
 RESULTS = REPO / "benchmarks" / "results"
 
 

@@ -22,6 +22,7 @@ from benchmarks.harness import (
     RunResult,
     free_port,
     parse_logs,
+    run_like_srun,
     run_training,
     tool,
     training_args,
@@ -120,24 +121,10 @@ def test_hybrid_checkpoint_holds_the_full_model(
 
 
 def run_as_srun(args: list[str], ranks: int) -> RunResult:
-    """Ranks started the way ``srun --ntasks-per-node N fairseq-train ...`` starts them: one
-    process per rank, only Slurm's variables (no torchrun), on one node here."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT",
-                                                             "WORLD_SIZE", "RANK")}
-    env.update(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
-               OMP_NUM_THREADS="1", SLURM_NTASKS=str(ranks), SLURM_NODEID="0",
-               SLURM_JOB_NODELIST="127.0.0.1", SLURM_TASKS_PER_NODE=str(ranks),
-               SLURM_JOB_ID="1")
+    """Ranks started the way ``srun --ntasks-per-node N fairseq-train ...`` starts them."""
     command = [tool("fairseq-train"), *args, "--user-dir", str(PLUGIN_DIR),
                "--ddp-backend", "fully_sharded", "--distributed-port", str(free_port())]
-    tasks = [
-        subprocess.Popen(command, env=dict(env, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-        for rank in range(ranks)
-    ]
-    outputs = [task.communicate(timeout=600)[0] for task in tasks]
-    for task, output in zip(tasks, outputs, strict=True):
-        assert task.returncode == 0, output[-6000:]
+    outputs = run_like_srun(command, ranks)
     return RunResult(0, outputs[0], parse_logs(outputs[0]))
 
 

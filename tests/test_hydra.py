@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import PLUGIN_DIR, REPO, free_port, parse_logs, tool
+from benchmarks.harness import PLUGIN_DIR, REPO, free_port, parse_logs, run_like_srun, tool
 
 CONFIGS = REPO / "configs" / "nllb"
 
@@ -85,19 +85,21 @@ def test_nllb_multilingual_task_trains_under_hydra(multilingual_run: dict) -> No
     assert len(losses) == 20 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0
 
 
-def test_nllb_multilingual_run_resumes_exactly(
+def test_nllb_multilingual_run_resumes_exactly_under_slurm(
     multilingual: Path, multilingual_run: dict, tmp_path: Path
 ) -> None:
-    """Resumed from its update-10 checkpoint, the run repeats updates 11-20 exactly (the
-    multilingual task's own sampling and data position restored)."""
+    """Resumed from its update-10 checkpoint by 2 ranks started the way srun starts them
+    (Slurm's variables, no torchrun), the run repeats updates 11-20 exactly: the same
+    2-rank job, and the multilingual task's own sampling and data position restored."""
     checkpoint = multilingual_run["out"] / "save" / "checkpoint_1_10.pt"
-    completed = hydra_train(2, "tiny", *multilingual_overrides(multilingual),
-                            "optimization.max_update=20", "common.log_format=json",
-                            "checkpoint.no_save=true", f"checkpoint.restore_file={checkpoint}",
-                            cwd=tmp_path)
-    output = completed.stdout + completed.stderr
-    assert completed.returncode == 0, output[-4000:]
-    resumed = [float(entry["loss"]) for entry in parse_logs(output)["train_inner"]]
+    command = [tool("fairseq-hydra-train"), "--config-dir", str(CONFIGS), "--config-name",
+               "tiny", f"common.user_dir={PLUGIN_DIR}", *multilingual_overrides(multilingual),
+               "optimization.max_update=20", "common.log_format=json",
+               "checkpoint.no_save=true", f"checkpoint.restore_file={checkpoint}",
+               f"distributed_training.distributed_port={free_port()}"]
+    first_rank, _ = run_like_srun(command, ranks=2, cwd=tmp_path)
+    assert "over 2 ranks" in first_rank
+    resumed = [float(entry["loss"]) for entry in parse_logs(first_rank)["train_inner"]]
     assert resumed == multilingual_run["losses"][10:]
 
 
