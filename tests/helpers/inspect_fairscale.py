@@ -25,6 +25,7 @@ from cpu_streams import emulate_cuda_streams_on_cpu
 from fairscale.nn.data_parallel import FullyShardedDataParallel
 from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from process_group import leave_process_group
 
 import fairseq_shard_plugin  # noqa: F401  (registers the plugin, as --user-dir does)
 from fairseq_shard_plugin.engines import build_engine
@@ -189,7 +190,7 @@ def main() -> None:
         report[name] = inspect(fairseq_args + extra)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from process_group import leave_process_group
 from sharded_setup import build_trainer
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -64,11 +65,7 @@ def main() -> None:
               "sharded_grad_norm": sharded_norm, "gathered_grad_norm": gathered_norm}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
-    # Under load, rank 0 once aborted at exit ("terminate called without an active
-    # exception") when it tore down its gloo group while rank 1 was still in the last
-    # collective: leave together.
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

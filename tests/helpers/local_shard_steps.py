@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from fairseq.optim.adam import FairseqAdam
 from omegaconf import OmegaConf
+from process_group import leave_process_group
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -99,7 +100,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as out:
             json.dump(report, out)
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

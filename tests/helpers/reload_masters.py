@@ -11,6 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from process_group import leave_process_group
 from sharded_setup import build_trainer
 
 from fairseq_shard_plugin.full_state import gather_full_state
@@ -39,7 +40,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(report_path, "w") as out:
             json.dump(report, out)
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

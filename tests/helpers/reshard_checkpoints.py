@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from process_group import leave_process_group
 from sharded_setup import build_trainer
 
 import fairseq_shard_plugin  # noqa: F401  (registers the plugin, as --user-dir does)
@@ -93,7 +94,7 @@ def main() -> None:
             trainer.state_dict()  # the collective part of the save, as fairseq does
     if dist.get_rank() == 0:
         Path(report_path).write_text(json.dumps(report))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":
