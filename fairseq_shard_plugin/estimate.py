@@ -78,7 +78,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = parser()
     config = p.parse_known_args(argv)[0].config
     if config is not None:
-        p.set_defaults(**defaults_from_hydra_config(config))
+        try:
+            choices = {a.dest: a.choices for a in p._actions if a.choices}
+            p.set_defaults(**defaults_from_hydra_config(config, choices))
+        except ValueError as error:
+            raise EstimateError(f"--config {config}: {error}") from None
     return p.parse_args(argv)
 
 

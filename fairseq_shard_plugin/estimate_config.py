@@ -8,9 +8,11 @@ the data, so they stay flags.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -33,28 +35,30 @@ _KEYS = {
         "reduce_in_16_bit", "reduce_vocabulary_in_16_bit")},
     ("distributed_training", "cpu_offload"): "cpu_offload",
 }
-_CHOICES = {"optimizer": ("adam", "sgd"),
-            "criterion": ("label_smoothed_cross_entropy", "chunked_label_smoothed_cross_entropy")}
 
 
-def defaults_from_hydra_config(path: str) -> dict[str, Any]:
+def defaults_from_hydra_config(
+    path: str, choices: dict[str, Sequence[str]]
+) -> dict[str, Any]:
     """The estimator options that the config at ``path`` sets (absent or ``???`` keys are
-    left to the flags' defaults); a config it cannot use raises ``EstimateError``."""
-    from fairseq_shard_plugin.estimate import EstimateError
-
+    left to the flags' defaults), each within its ``choices`` where the estimator has
+    them; a config it cannot use raises ``ValueError``."""
     if not Path(path).is_file():
-        raise EstimateError(f"--config {path}: no such file")
+        raise ValueError("no such file")
     try:
         config = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    except (OmegaConfBaseException, ValueError) as error:
-        raise EstimateError(f"--config {path}: not a YAML config ({error})") from None
+    except (OmegaConfBaseException, ValueError, yaml.YAMLError) as error:
+        raise ValueError(f"not a YAML config ({' '.join(str(error).split())})") from None
+    if not isinstance(config, dict):
+        raise ValueError("not a fairseq-hydra-train config (groups such as model, common, task)")
     defaults: dict[str, Any] = {}
     for (group, key), option in _KEYS.items():
-        value = (config.get(group) or {}).get(key) if isinstance(config, dict) else None
+        values = config.get(group)
+        value = values.get(key) if isinstance(values, dict) else None
         if value is None or value == "???":
             continue
-        if option in _CHOICES and value not in _CHOICES[option]:
-            raise EstimateError(f"--config {path}: {group} {value} is not modelled (one of "
-                                f"{', '.join(_CHOICES[option])}): pass --{option} instead")
+        if option in choices and value not in choices[option]:
+            raise ValueError(f"{group} {value} is not modelled (one of "
+                             f"{', '.join(choices[option])}): pass --{option} instead")
         defaults[option] = value
     return defaults
