@@ -79,8 +79,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     config = p.parse_known_args(argv)[0].config
     if config is not None:
         try:
-            choices = {a.dest: a.choices for a in p._actions if a.choices}
-            p.set_defaults(**defaults_from_hydra_config(config, choices))
+            options = {a.dest: a.choices for a in p._actions
+                       if a.dest not in ("help", "config", "json")}
+            p.set_defaults(**defaults_from_hydra_config(config, options))
         except ValueError as error:
             raise EstimateError(f"--config {config}: {error}") from None
     return p.parse_args(argv)

@@ -1,8 +1,10 @@
 """``fairseq-shard-estimate --config``: the estimator's flags read from a Hydra config.
 
-A ``fairseq-hydra-train`` config names what the estimate depends on in its own groups
-(``model``, ``common``, ``optimizer``, ``criterion``, ``dataset``, ``task``,
-``distributed_training``); the world size and the vocabulary come from the launcher and
+A ``fairseq-hydra-train`` config holds the settings the estimate depends on under the same
+names as the estimator's options, spread over its groups (``model.encoder_layers``,
+``common.fp16``, ``dataset.max_tokens``, ``task.keep_vocabulary_gathered``,
+``distributed_training.cpu_offload``, ...); a group's ``_name`` selects the arch, the
+optimizer or the criterion. The world size and the vocabulary come from the launcher and
 the data, so they stay flags.
 """
 
@@ -16,33 +18,16 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-# (group, key in the config) -> the estimator's option
-_KEYS = {
-    **{("model", name): name for name in (
-        "encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim",
-        "encoder_ffn_embed_dim", "decoder_ffn_embed_dim", "encoder_attention_heads",
-        "decoder_attention_heads", "attention_dropout", "share_all_embeddings",
-        "checkpoint_activations")},
-    ("model", "_name"): "arch",
-    **{("common", name): name for name in (
-        "fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16")},
-    ("optimizer", "_name"): "optimizer",
-    ("criterion", "_name"): "criterion",
-    ("criterion", "loss_chunk_tokens"): "loss_chunk_tokens",
-    ("dataset", "max_tokens"): "max_tokens",
-    **{("task", name): name for name in (
-        "root_unit_only", "keep_root_gathered", "keep_vocabulary_gathered",
-        "reduce_in_16_bit", "reduce_vocabulary_in_16_bit")},
-    ("distributed_training", "cpu_offload"): "cpu_offload",
-}
+# the option that a group's ``_name`` sets
+_NAMED_BY_GROUP = {"model": "arch", "optimizer": "optimizer", "criterion": "criterion"}
 
 
 def defaults_from_hydra_config(
-    path: str, choices: dict[str, Sequence[str]]
+    path: str, options: dict[str, Sequence[str] | None]
 ) -> dict[str, Any]:
-    """The estimator options that the config at ``path`` sets (absent or ``???`` keys are
-    left to the flags' defaults), each within its ``choices`` where the estimator has
-    them; a config it cannot use raises ``ValueError``."""
+    """The values the config at ``path`` gives the estimator's ``options`` (each with its
+    choices, or None); absent or ``???`` keys are left to the flags' defaults. A config it
+    cannot use raises ``ValueError``."""
     if not Path(path).is_file():
         raise ValueError("no such file")
     try:
@@ -52,13 +37,16 @@ def defaults_from_hydra_config(
     if not isinstance(config, dict):
         raise ValueError("not a fairseq-hydra-train config (groups such as model, common, task)")
     defaults: dict[str, Any] = {}
-    for (group, key), option in _KEYS.items():
-        values = config.get(group)
-        value = values.get(key) if isinstance(values, dict) else None
-        if value is None or value == "???":
+    for group, values in config.items():
+        if group == "hydra" or not isinstance(values, dict):
             continue
-        if option in choices and value not in choices[option]:
-            raise ValueError(f"{group} {value} is not modelled (one of "
-                             f"{', '.join(choices[option])}): pass --{option} instead")
-        defaults[option] = value
+        for key, value in values.items():
+            option = _NAMED_BY_GROUP.get(group) if key == "_name" else key
+            if option not in options or value is None or value == "???":
+                continue
+            choices = options[option]
+            if choices and value not in choices:
+                raise ValueError(f"{group} {value} is not modelled (one of "
+                                 f"{', '.join(choices)}): pass --{option} instead")
+            defaults[option] = value
     return defaults
