@@ -163,6 +163,6 @@ def test_a_bad_multilingual_option_names_its_flag_and_hydra_key() -> None:
 def test_a_multilingual_key_left_missing_is_named() -> None:
     cfg = OmegaConf.structured(
         ShardedMultilingualConfig(seed=1, dataset_impl=None, train_subset="train"))
-    cfg.lang_pairs = "???"  # as corpus/multilingual.yaml has it; data is ??? by default
+    cfg.lang_pairs = "???"  # left mandatory; data is ??? by default
     with pytest.raises(MultilingualOptionError, match=r"set task\.data, task\.lang_pairs \(the"):
         task_namespace(cfg)
