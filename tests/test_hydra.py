@@ -14,10 +14,15 @@ from benchmarks.harness import PLUGIN_DIR, REPO, free_port, parse_logs, run_like
 CONFIGS = REPO / "configs" / "nllb"
 
 
+def hydra_command(config: str, *overrides: str) -> list[str]:
+    """fairseq-hydra-train with one of the plugin's configs, the plugin as user dir."""
+    return [tool("fairseq-hydra-train"), "--config-dir", str(CONFIGS), "--config-name", config,
+            f"common.user_dir={PLUGIN_DIR}", *overrides]
+
+
 def hydra_train(nproc: int, config: str, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
     command = [tool("torchrun"), "--nproc_per_node", str(nproc), "--master_port",
-               str(free_port()), tool("fairseq-hydra-train"), "--config-dir", str(CONFIGS),
-               "--config-name", config, f"common.user_dir={PLUGIN_DIR}", *overrides]
+               str(free_port()), *hydra_command(config, *overrides)]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
@@ -39,8 +44,7 @@ def test_tiny_config_trains_on_two_cpu_ranks_with_overrides(corpus: Path, tmp_pa
 @pytest.mark.parametrize("config", ["dense_600m", "dense_1_3b", "dense_3_3b"])
 def test_dense_configs_compose(config: str, tmp_path: Path) -> None:
     completed = subprocess.run(
-        [tool("fairseq-hydra-train"), "--config-dir", str(CONFIGS), "--config-name", config,
-         "task.data=/data/nllb", f"common.user_dir={PLUGIN_DIR}", "--cfg", "job"],
+        hydra_command(config, "task.data=/data/nllb", "--cfg", "job"),
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert f"_name: nllb_{config}" in completed.stdout
@@ -92,11 +96,10 @@ def test_nllb_multilingual_run_resumes_exactly_under_slurm(
     (Slurm's variables, no torchrun), the run repeats updates 11-20 exactly: the same
     2-rank job, and the multilingual task's own sampling and data position restored."""
     checkpoint = multilingual_run["out"] / "save" / "checkpoint_1_10.pt"
-    command = [tool("fairseq-hydra-train"), "--config-dir", str(CONFIGS), "--config-name",
-               "tiny", f"common.user_dir={PLUGIN_DIR}", *multilingual_overrides(multilingual),
-               "optimization.max_update=20", "common.log_format=json",
-               "checkpoint.no_save=true", f"checkpoint.restore_file={checkpoint}",
-               f"distributed_training.distributed_port={free_port()}"]
+    command = hydra_command("tiny", *multilingual_overrides(multilingual),
+                            "optimization.max_update=20", "common.log_format=json",
+                            "checkpoint.no_save=true", f"checkpoint.restore_file={checkpoint}",
+                            f"distributed_training.distributed_port={free_port()}")
     first_rank, _ = run_like_srun(command, ranks=2, cwd=tmp_path)
     assert "over 2 ranks" in first_rank
     resumed = [float(entry["loss"]) for entry in parse_logs(first_rank)["train_inner"]]
