@@ -34,6 +34,7 @@ from fairseq_shard_plugin.checkpoint_files import (
     verify_full_checkpoint,
 )
 from fairseq_shard_plugin.checkpoint_sharded import ShardedCheckpointError
+from fairseq_shard_plugin.data_position import convert_position, record_ranks
 from fairseq_shard_plugin.engines import build_engine
 from fairseq_shard_plugin.integration import export_follows_training, loading_into_trainer
 from fairseq_shard_plugin.launch_env import ensure_process_group, uses_cuda
@@ -216,6 +217,7 @@ class ShardedTrainer(Trainer):
 
     def save_checkpoint(self, filename: str, extra_state: dict[str, Any]) -> str | None:
         """Write the checkpoint on the saving rank; a crash never leaves a half-written file."""
+        record_ranks(extra_state, self.data_parallel_world_size)
         if not self.should_save_checkpoint_on_current_rank:
             return None
         return save_full_checkpoint(self, filename, extra_state)
@@ -254,6 +256,9 @@ class ShardedTrainer(Trainer):
                 describe_checkpoint_problem(filename, state_dict_shapes(self._model), error)
             ) from error
         self.engine.shard_loaded_state(self.optimizer.optimizer)
+        converted = convert_position(extra_state, self.data_parallel_world_size)
+        if converted:
+            logger.info(converted)
         return extra_state
 
     def train_step(self, samples: Any, raise_oom: bool = False) -> Any:

@@ -1,4 +1,5 @@
-"""Shared fixtures: a small synthetic corpus, binarised once per test session."""
+"""Session fixtures: synthetic corpora, and the stock and sharded reference trainings that
+several test modules compare against (launched once per test session)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.harness import RunResult, run_training, training_args  # noqa: E402
 from fairseq_shard_plugin.synthetic_corpus import make_corpus  # noqa: E402
+
+from tiny_training import REFERENCE_UPDATES, TINY  # noqa: E402
 
 LANGUAGES = ("eng_Latn", "fra_Latn", "deu_Latn")
 
@@ -31,3 +35,22 @@ def multilingual(tmp_path_factory: pytest.TempPathFactory) -> Path:
                     "--languages", ",".join(LANGUAGES), "--train", "600", "--valid", "50"],
                    check=True, capture_output=True)
     return out / "bin"
+
+
+@pytest.fixture(scope="session")
+def stock_tiny_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    """Stock fairseq (legacy_ddp, no plugin) training TINY on 2 ranks: the fp32 reference."""
+    save_dir = tmp_path_factory.mktemp("stock_tiny")
+    return run_training(training_args(corpus, save_dir, REFERENCE_UPDATES) + TINY, nproc=2,
+                        plugin=False)
+
+
+@pytest.fixture(scope="session")
+def sharded_tiny_run(
+    corpus: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[RunResult, Path]:
+    """The same training with the plugin (fully_sharded, fp32); its save dir."""
+    save_dir = tmp_path_factory.mktemp("sharded_tiny")
+    args = training_args(corpus, save_dir, REFERENCE_UPDATES) + TINY + [
+        "--task", "sharded_translation"]
+    return run_training(args, nproc=2, plugin=True), save_dir

@@ -11,7 +11,6 @@ and then 1 rank.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -31,21 +30,19 @@ from benchmarks.harness import (
     run_training,
     tool,
     training_args,
-    transformer_args,
 )
 from fairseq_shard_plugin import consolidate
 from fairseq_shard_plugin.atomic_files import remove_partial_files, write_atomically
 from fairseq_shard_plugin.checkpoint_sharded import SHARDS_DIR, remove_unreferenced_shards
 
-TINY = transformer_args(dim=64, ffn=128, layers=2)
+from tiny_training import SHARDED, TINY, reshard
+
 UPDATES = 40
 # 128 tokens per rank: an epoch is longer than 40 updates, so the crash resumes below land
 # in epoch 1; test_resume_in_a_later_epoch_reproduces_the_uninterrupted_losses resumes in
 # epoch 2 (see resumable_batches.py for why stock fairseq does not resume exactly there).
 MAX_TOKENS = 128
 CRASH_HELPER = REPO / "tests" / "helpers" / "crash_training.py"
-RESHARD_HELPER = REPO / "tests" / "helpers" / "reshard_checkpoints.py"
-SHARDED = ("--checkpoint-format", "sharded")
 
 
 def args(corpus: Path, save_dir: Path, *extra: str, updates: int = UPDATES) -> list[str]:
@@ -345,22 +342,6 @@ def test_fine_tuning_from_a_stock_fairseq_checkpoint_matches_stock_fine_tuning(
     assert losses[0] < pretrained.series("train_inner", "loss")[0] - 0.5  # trained weights
 
 
-def reshard(nproc: int, corpus: Path, work: Path, spec: dict) -> dict:
-    """Run ``reshard_checkpoints.py`` on ``nproc`` ranks; return its report."""
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "spec.json").write_text(json.dumps(spec))
-    command = [tool("torchrun"), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), str(RESHARD_HELPER),
-               str(work / "report.json"), str(work / "spec.json"), str(corpus), *TINY,
-               "--cpu", "--task", "sharded_translation", "--optimizer", "adam", "--lr", "1e-3",
-               "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-               "--ddp-backend", "fully_sharded", *SHARDED, "--save-dir", str(work)]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                               env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    return json.loads((work / "report.json").read_text())
-
-
 def test_checkpoints_reload_exactly_from_2_to_4_to_1_ranks_and_bad_ones_change_nothing(
     corpus: Path, crashes: dict, uninterrupted: tuple[RunResult, Path],
     stock_checkpoint: tuple[RunResult, Path], tmp_path: Path,
@@ -417,23 +398,6 @@ def test_checkpoints_reload_exactly_from_2_to_4_to_1_ranks_and_bad_ones_change_n
                       r"\[(\d+), 64\] in the model \(a different vocabulary",
                       on_one["other_vocab"]["error"])
     assert vocab and int(vocab.group(2)) == int(vocab.group(1)) + 1, on_one["other_vocab"]
-
-
-def test_hybrid_sharded_checkpoint_reloads_exactly_on_two_plain_ranks(
-    corpus: Path, tmp_path: Path
-) -> None:
-    """A --shard-strategy hybrid run (2 shard groups of 2 ranks on a 2-D mesh) saves in the
-    sharded format; a 1-D run on 2 ranks reloads its model and Adam state bit for bit."""
-    save_dir = tmp_path / "hybrid"
-    run_training(args(corpus, save_dir, *SHARDED, "--shard-strategy", "hybrid",
-                      "--shard-group-size", "2", updates=10), nproc=4, plugin=True)
-    shards = save_dir / torch.load(save_dir / "checkpoint_last.pt",
-                                   weights_only=True)["sharded_checkpoint"]["dir"]
-    assert len(list(shards.glob("*.distcp"))) == 4
-    (reloaded,) = reshard(2, corpus, tmp_path / "two",
-                          {"exact": [str(save_dir / "checkpoint_last.pt")]})["exact"]
-    assert reloaded["model_equal"] and reloaded["optimizer_equal"], reloaded
-    assert reloaded["optimizer_tensors"] > 0 and reloaded["num_updates"] == 10
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,8 @@
-"""Unworkable configurations stop with one clear line before anything is written."""
+"""Unworkable configurations stop with one clear line before anything is written.
+
+Each case is a real single-process ``fairseq-train``; the module starts them all at once
+(the time of a refusal is process start-up, which two cores can overlap).
+"""
 
 from __future__ import annotations
 
@@ -10,45 +14,61 @@ import pytest
 from benchmarks.harness import PLUGIN_DIR, tool, training_args, transformer_args
 
 TINY = transformer_args(dim=32, ffn=64, layers=1)
+REFUSED = {
+    "--amp": ["--amp"],
+    "--store-ema": ["--store-ema"],
+    "--zero-sharding": ["--zero-sharding", "os"],
+    "--use-sharded-state": ["--use-sharded-state"],
+    "torchrun --nproc_per_node 2": ["--distributed-world-size", "2"],
+}
+UNKNOWN_ENGINE = ["--task", "sharded_translation", "--shard-engine", "deepspeed"]
+ONE_RANK = ["--no-save"]
 
 
-def fairseq_train(corpus: Path, save_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    command = [tool("fairseq-train"), *training_args(corpus, save_dir, 2), *TINY,
-               "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded", *extra]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+@pytest.fixture(scope="module")
+def launches(
+    corpus: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Every case's finished ``fairseq-train`` and its --save-dir, all run concurrently."""
+    cases = dict(REFUSED, unknown_engine=UNKNOWN_ENGINE, one_rank=ONE_RANK)
+    started = {}
+    for name, extra in cases.items():
+        save_dir = tmp_path_factory.mktemp("refused") / "save"
+        command = [tool("fairseq-train"), *training_args(corpus, save_dir, 2), *TINY,
+                   "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded", *extra]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True)
+        started[name] = (command, process, save_dir)
+    finished = {}
+    for name, (command, process, save_dir) in started.items():
+        stdout, stderr = process.communicate(timeout=300)
+        finished[name] = (
+            subprocess.CompletedProcess(command, process.returncode, stdout, stderr), save_dir)
+    return finished
 
 
-@pytest.mark.parametrize(
-    ("flags", "names"),
-    [
-        (["--amp"], "--amp"),
-        (["--store-ema"], "--store-ema"),
-        (["--zero-sharding", "os"], "--zero-sharding"),
-        (["--use-sharded-state"], "--use-sharded-state"),
-        (["--distributed-world-size", "2"], "torchrun --nproc_per_node 2"),
-    ],
-)
+@pytest.mark.parametrize("names", list(REFUSED))
 def test_refused_before_training_with_the_flag_named(
-    corpus: Path, tmp_path: Path, flags: list[str], names: str
+    launches: dict[str, tuple[subprocess.CompletedProcess, Path]], names: str
 ) -> None:
-    save_dir = tmp_path / "save"
-    completed = fairseq_train(corpus, save_dir, *flags)
+    completed, save_dir = launches[names]
     assert completed.returncode != 0
     last_line = completed.stderr.strip().splitlines()[-1]
     assert last_line.startswith("fairseq-shard-plugin: error: ") and names in last_line
     assert not save_dir.exists()
 
 
-def test_unknown_engine_is_refused_by_the_flag_parser(corpus: Path, tmp_path: Path) -> None:
-    completed = fairseq_train(corpus, tmp_path / "save", "--task", "sharded_translation",
-                              "--shard-engine", "deepspeed")
+def test_unknown_engine_is_refused_by_the_flag_parser(
+    launches: dict[str, tuple[subprocess.CompletedProcess, Path]],
+) -> None:
+    completed, _ = launches["unknown_engine"]
     assert completed.returncode != 0
     assert "--shard-engine: invalid choice: 'deepspeed'" in completed.stderr
 
 
 def test_single_process_without_torchrun_trains_on_a_one_rank_group(
-    corpus: Path, tmp_path: Path
+    launches: dict[str, tuple[subprocess.CompletedProcess, Path]],
 ) -> None:
-    completed = fairseq_train(corpus, tmp_path / "save", "--no-save")
+    completed, _ = launches["one_rank"]
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "and the root over 1 ranks" in completed.stdout + completed.stderr

@@ -26,14 +26,15 @@ from benchmarks.harness import (
     run_training,
     tool,
     training_args,
-    transformer_args,
 )
+from fairseq_shard_plugin.consolidate import read_full_state
 from fairseq_shard_plugin.launch_env import first_slurm_host, ranks_per_node, slurm_as_torchrun
 from fairseq_shard_plugin.memory import LiveTensorMeter
 from fairseq_shard_plugin.options import ShardingConfig
 from fairseq_shard_plugin.validation import ShardingConfigError, shard_group_size
 
-TINY = transformer_args(dim=64, ffn=128, layers=2)
+from tiny_training import SHARDED, TINY, relative_difference, reshard
+
 UPDATES = 6
 OFFLOAD_UPDATES = 4
 CHECKSUMS = REPO / "tests" / "helpers" / "train_with_checksums.py"
@@ -42,10 +43,6 @@ CHECKSUMS = REPO / "tests" / "helpers" / "train_with_checksums.py"
 def sharded_args(corpus: Path, save_dir: Path, updates: int = UPDATES) -> list[str]:
     return training_args(corpus, save_dir, updates) + TINY + [
         "--task", "sharded_translation", "--no-epoch-checkpoints", "--disable-validation"]
-
-
-def relative_difference(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
 def run_two_nodes(args: list[str], checksum_dir: Path) -> RunResult:
@@ -79,8 +76,10 @@ def full_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Ru
 def hybrid_run(
     corpus: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[RunResult, Path, Path]:
+    """Saves in the sharded format, so that its checkpoint also tests a 2-D mesh's shards."""
     save_dir, checksums = tmp_path_factory.mktemp("hybrid"), tmp_path_factory.mktemp("sums")
-    return run_two_nodes(sharded_args(corpus, save_dir), checksums), save_dir, checksums
+    args = sharded_args(corpus, save_dir) + list(SHARDED)
+    return run_two_nodes(args, checksums), save_dir, checksums
 
 
 def test_hybrid_replicas_hold_identical_shards_after_every_update(
@@ -112,12 +111,25 @@ def test_hybrid_loss_and_norm_match_four_rank_full_sharding(
 def test_hybrid_checkpoint_holds_the_full_model(
     hybrid_run: tuple[RunResult, Path, Path], full_run: tuple[RunResult, Path]
 ) -> None:
-    hybrid = torch.load(hybrid_run[1] / "checkpoint_last.pt", weights_only=True)
+    hybrid = read_full_state(hybrid_run[1] / "checkpoint_last.pt")  # gathers the shards
     full = torch.load(full_run[1] / "checkpoint_last.pt", weights_only=True)
     assert hybrid["model"].keys() == full["model"].keys()
     for name, tensor in full["model"].items():
         assert hybrid["model"][name].shape == tensor.shape
         torch.testing.assert_close(hybrid["model"][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def test_hybrid_sharded_checkpoint_reloads_exactly_on_two_plain_ranks(
+    corpus: Path, hybrid_run: tuple[RunResult, Path, Path], tmp_path: Path
+) -> None:
+    """The hybrid run's sharded checkpoint (2 shard groups of 2 ranks on a 2-D mesh) reloads
+    on a 1-D mesh of 2 ranks with its model and Adam state equal bit for bit."""
+    checkpoint = hybrid_run[1] / "checkpoint_last.pt"
+    shards = hybrid_run[1] / torch.load(checkpoint, weights_only=True)["sharded_checkpoint"]["dir"]
+    assert len(list(shards.glob("*.distcp"))) == 4
+    (reloaded,) = reshard(2, corpus, tmp_path / "two", {"exact": [str(checkpoint)]})["exact"]
+    assert reloaded["model_equal"] and reloaded["optimizer_equal"], reloaded
+    assert reloaded["optimizer_tensors"] > 0 and reloaded["num_updates"] == UPDATES
 
 
 def run_as_srun(args: list[str], ranks: int) -> RunResult:

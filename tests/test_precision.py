@@ -22,23 +22,28 @@ from benchmarks.harness import (
     run_training,
     tool,
     training_args,
-    transformer_args,
 )
 
-TINY = transformer_args(dim=64, ffn=128, layers=2)
-UPDATES = 50
+from tiny_training import REFERENCE_UPDATES, TINY
+
+UPDATES = REFERENCE_UPDATES
 TOLERANCE = {"fp16": 1e-3, "bf16": 5e-3}
 HELPERS = REPO / "tests" / "helpers"
 
 
 @pytest.fixture(scope="module")
-def runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
-    results = {}
-    for name, plugin, flags in [("reference", False, []), ("fp32", True, []),
-                                ("fp16", True, ["--fp16"]), ("bf16", True, ["--bf16"])]:
+def runs(
+    corpus: Path, tmp_path_factory: pytest.TempPathFactory, stock_tiny_run: RunResult,
+    sharded_tiny_run: tuple[RunResult, Path],
+) -> dict[str, RunResult]:
+    """The unsharded stock fp32 reference, the sharded fp32 run (both shared with other
+    modules) and the sharded fp16 and bf16 runs of the same training."""
+    results = {"reference": stock_tiny_run, "fp32": sharded_tiny_run[0]}
+    for name, flags in [("fp16", ["--fp16"]), ("bf16", ["--bf16"])]:
         save_dir = tmp_path_factory.mktemp(name)
-        args = training_args(corpus, save_dir, UPDATES) + TINY + flags
-        results[name] = run_training(args, nproc=2, plugin=plugin)
+        args = training_args(corpus, save_dir, UPDATES) + TINY + [
+            "--task", "sharded_translation", *flags]
+        results[name] = run_training(args, nproc=2, plugin=True)
         results[name].save_dir = save_dir  # type: ignore[attr-defined]
     return results
 

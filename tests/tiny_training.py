@@ -1,0 +1,41 @@
+"""The tiny model most tests train, and helpers the test modules share.
+
+d 64, ffn 128, 2+2 pre-norm layers with all embeddings shared: big enough to have every
+unit the wrap policy builds, small enough that a launch costs mostly process start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from benchmarks.harness import REPO, free_port, tool, transformer_args
+
+TINY = transformer_args(dim=64, ffn=128, layers=2)
+# The stock and sharded reference runs (conftest fixtures) train this many updates.
+REFERENCE_UPDATES = 50
+RESHARD_HELPER = REPO / "tests" / "helpers" / "reshard_checkpoints.py"
+SHARDED = ("--checkpoint-format", "sharded")
+
+
+def relative_difference(a: list[float], b: list[float]) -> float:
+    """Largest relative difference of two equally long series."""
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def reshard(nproc: int, corpus: Path, work: Path, spec: dict) -> dict:
+    """Run ``helpers/reshard_checkpoints.py`` on ``nproc`` ranks; return its report."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "spec.json").write_text(json.dumps(spec))
+    command = [tool("torchrun"), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), str(RESHARD_HELPER),
+               str(work / "report.json"), str(work / "spec.json"), str(corpus), *TINY,
+               "--cpu", "--task", "sharded_translation", "--optimizer", "adam", "--lr", "1e-3",
+               "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+               "--ddp-backend", "fully_sharded", *SHARDED, "--save-dir", str(work)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return json.loads((work / "report.json").read_text())
