@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import PLUGIN_DIR, tool, training_args, transformer_args
+from benchmarks.harness import (
+    PLUGIN_DIR,
+    run_concurrently,
+    tool,
+    training_args,
+    transformer_args,
+)
 
 TINY = transformer_args(dim=32, ffn=64, layers=1)
 REFUSED = {
@@ -31,20 +37,12 @@ def launches(
 ) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """Every case's finished ``fairseq-train`` and its --save-dir, all run concurrently."""
     cases = dict(REFUSED, unknown_engine=UNKNOWN_ENGINE, one_rank=ONE_RANK)
-    started = {}
-    for name, extra in cases.items():
-        save_dir = tmp_path_factory.mktemp("refused") / "save"
-        command = [tool("fairseq-train"), *training_args(corpus, save_dir, 2), *TINY,
-                   "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded", *extra]
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True)
-        started[name] = (command, process, save_dir)
-    finished = {}
-    for name, (command, process, save_dir) in started.items():
-        stdout, stderr = process.communicate(timeout=300)
-        finished[name] = (
-            subprocess.CompletedProcess(command, process.returncode, stdout, stderr), save_dir)
-    return finished
+    save_dirs = {name: tmp_path_factory.mktemp("refused") / "save" for name in cases}
+    finished = run_concurrently({
+        name: [tool("fairseq-train"), *training_args(corpus, save_dirs[name], 2), *TINY,
+               "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded", *extra]
+        for name, extra in cases.items()})
+    return {name: (finished[name], save_dirs[name]) for name in cases}
 
 
 @pytest.mark.parametrize("names", list(REFUSED))

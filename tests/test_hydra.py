@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import PLUGIN_DIR, REPO, free_port, parse_logs, run_like_srun, tool
+from benchmarks.harness import (
+    PLUGIN_DIR,
+    REPO,
+    free_port,
+    parse_logs,
+    run_concurrently,
+    run_like_srun,
+    tool,
+)
 
 CONFIGS = REPO / "configs" / "nllb"
 
@@ -41,11 +49,22 @@ def test_tiny_config_trains_on_two_cpu_ranks_with_overrides(corpus: Path, tmp_pa
     assert len(losses) == 15 and losses[-1] < losses[0] - 1.0
 
 
-@pytest.mark.parametrize("config", ["dense_600m", "dense_1_3b", "dense_3_3b"])
-def test_dense_configs_compose(config: str, tmp_path: Path) -> None:
-    completed = subprocess.run(
-        hydra_command(config, "task.data=/data/nllb", "--cfg", "job"),
-        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+DENSE = ["dense_600m", "dense_1_3b", "dense_3_3b"]
+
+
+@pytest.fixture(scope="module")
+def composed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
+    """``--cfg job`` of each dense config, composed concurrently."""
+    return run_concurrently(
+        {config: hydra_command(config, "task.data=/data/nllb", "--cfg", "job")
+         for config in DENSE}, cwd=tmp_path_factory.mktemp("compose"))
+
+
+@pytest.mark.parametrize("config", DENSE)
+def test_dense_configs_compose(
+    config: str, composed: dict[str, subprocess.CompletedProcess]
+) -> None:
+    completed = composed[config]
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert f"_name: nllb_{config}" in completed.stdout
     assert "ddp_backend: fully_sharded" in completed.stdout
