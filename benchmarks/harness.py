@@ -12,8 +12,11 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = REPO / "fairseq_shard_plugin"
@@ -102,9 +105,10 @@ def run_training(
 ) -> RunResult:
     """Train on ``nproc`` ranks: the plugin with fully_sharded, or stock fairseq.
 
-    On CPU, stock fairseq runs through ``stock_launch.sh`` (gloo); with ``cuda`` it is
-    launched like the plugin, with ``--ddp-backend stock_backend`` (e.g. ``fully_sharded``,
-    fairseq's own fairscale path).
+    The ranks are started as torchrun starts its workers (:func:`start_ranks`). On CPU,
+    stock fairseq runs through ``stock_launch.sh`` (gloo); with ``cuda`` it is launched like
+    the plugin, with ``--ddp-backend stock_backend`` (e.g. ``fully_sharded``, fairseq's own
+    fairscale path).
 
     With ``measure_dir`` every rank runs under ``fairseq-shard-measure-train`` and its
     whole-process peak of live tensor bytes is returned in ``RunResult.memory``.
@@ -114,51 +118,97 @@ def run_training(
     measure = (
         ["--measure-out", str(measure_dir / "rank{rank}.json")] if measure_dir else []
     )
-    torchrun = [tool("torchrun"), "--nproc_per_node", str(nproc),
-                "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     entry = [tool("fairseq-shard-measure-train"), *measure] if measure_dir else [
         tool("fairseq-train")]
     if plugin:
-        command = [*torchrun, *entry, *args, "--user-dir", str(PLUGIN_DIR),
-                   "--ddp-backend", "fully_sharded"]
+        command = [*entry, *args, "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded"]
     elif cuda:
-        command = [*torchrun, *entry, *args, "--ddp-backend", stock_backend]
+        command = [*entry, *args, "--ddp-backend", stock_backend]
     else:
         if measure_dir:
             env["FAIRSEQ_TRAIN"] = " ".join(["fairseq-shard-measure-train", *measure])
-        command = [*torchrun, "--no-python", str(STOCK_LAUNCH), *args,
-                   "--ddp-backend", stock_backend]
-    completed = subprocess.run(command, env=env, capture_output=True, text=True,
-                               timeout=timeout, cwd=REPO)
-    output = completed.stdout + completed.stderr
-    if check and completed.returncode != 0:
-        raise RuntimeError(f"training failed ({completed.returncode}):\n{output[-6000:]}")
+        command = [str(STOCK_LAUNCH), *args, "--ddp-backend", stock_backend]
+    returncode, output = start_ranks(command, nproc, env, timeout=timeout)
+    if check and returncode != 0:
+        raise RuntimeError(f"training failed ({returncode}):\n{output[-6000:]}")
     memory = []
     if measure_dir:
         memory = [json.loads(p.read_text()) for p in sorted(measure_dir.glob("rank*.json"))]
-    return RunResult(completed.returncode, output, parse_logs(output), memory)
+    return RunResult(returncode, output, parse_logs(output), memory)
+
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "MASTER_ADDR", "MASTER_PORT")
+
+
+def wait_for_ranks(
+    ranks: list[subprocess.Popen], outputs: list[IO[bytes]], timeout: float, grace: float = 20
+) -> tuple[list[int], list[str]]:
+    """Wait for every rank; once one fails, the others get ``grace`` seconds to finish
+    (they may be blocked in a collective with it) before they are killed, as torchrun does.
+    Returns each rank's exit code and output."""
+    deadline = time.monotonic() + timeout
+    while any(rank.poll() is None for rank in ranks) and time.monotonic() < deadline:
+        if any(rank.returncode for rank in ranks):
+            deadline = min(deadline, time.monotonic() + grace)
+        time.sleep(0.05)
+    for rank in ranks:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
+    texts = []
+    for output in outputs:
+        output.seek(0)
+        texts.append(output.read().decode(errors="replace"))
+        output.close()
+    return [rank.returncode for rank in ranks], texts
+
+
+def start_ranks(
+    command: list[str], nproc: int, env: dict[str, str], cwd: Path = REPO, timeout: float = 600
+) -> tuple[int, str]:
+    """Run ``command`` as ``nproc`` ranks on this machine with the variables torchrun gives
+    its workers (``TORCHRUN_VARIABLES``), but without torchrun's agent process, whose own
+    start-up (it imports torch before starting any rank) would add seconds to every test
+    launch. The commands documented for users run under torchrun itself in test_hydra,
+    test_sharded_training (the sharding inspection), test_checkpoints (crash and reshard
+    helpers) and test_hybrid_offload (two torchrun "nodes").
+
+    Returns the first failing exit code (or 0) and the ranks' outputs, rank 0 first.
+    """
+    port = str(free_port())
+    outputs = [tempfile.TemporaryFile() for _ in range(nproc)]
+    ranks = [
+        subprocess.Popen(command, cwd=cwd, stdout=output, stderr=subprocess.STDOUT, env=dict(
+            env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port))
+        for rank, output in enumerate(outputs)
+    ]
+    codes, texts = wait_for_ranks(ranks, outputs, timeout)
+    return next((code for code in codes if code), 0), "".join(texts)
 
 
 def run_like_srun(command: list[str], ranks: int, cwd: Path = REPO) -> list[str]:
     """Start ``command`` once per rank the way ``srun --ntasks-per-node N`` does: only
     Slurm's variables (no torchrun's), one node here; every rank's output, after checking
     that each succeeded. The command picks its own rendezvous port."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT",
-                                                             "WORLD_SIZE", "RANK")}
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
     env.update(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS="1", SLURM_NTASKS=str(ranks), SLURM_NODEID="0",
                SLURM_JOB_NODELIST="127.0.0.1", SLURM_TASKS_PER_NODE=str(ranks),
                SLURM_JOB_ID="1")
+    outputs = [tempfile.TemporaryFile() for _ in range(ranks)]
     tasks = [
         subprocess.Popen(command, env=dict(env, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
-        for rank in range(ranks)
+                         stdout=output, stderr=subprocess.STDOUT, cwd=cwd)
+        for rank, output in enumerate(outputs)
     ]
-    outputs = [task.communicate(timeout=600)[0] for task in tasks]
-    for task, output in zip(tasks, outputs, strict=True):
-        if task.returncode != 0:
-            raise RuntimeError(f"a rank failed ({task.returncode}):\n{output[-6000:]}")
-    return outputs
+    codes, texts = wait_for_ranks(tasks, outputs, timeout=600)
+    for code, output in zip(codes, texts, strict=True):
+        if code != 0:
+            raise RuntimeError(f"a rank failed ({code}):\n{output[-6000:]}")
+    return texts
 
 
 def run_concurrently(
