@@ -201,6 +201,9 @@ def table(results: dict[str, Estimate], setup: TrainingSetup) -> str:
         lines.append(label.ljust(18) + "".join(f"{v:{width}.2f}" for v in values))
     lines.append("peak during".ljust(18) + "".join(
         results[key].peak_phase.rjust(width) for key in names))
+    lines.append("(breakdown of what is live at the peak; gradient shards after backward: "
+                 + ", ".join(f"{results[key].step_grads / GIB:.2f}" for key in names)
+                 + " GiB)")
     if results["requested"].host:
         lines.append(f"model state on the host (--cpu-offload): "
                      f"{results['requested'].host / GIB:.2f} GiB per rank")

@@ -24,9 +24,11 @@ The model follows how the plugin holds memory (see ``precision.py``, ``engines/f
 
 The peak is the largest of a few moments of the step; each is a sum of the tensors live
 then, as the CPU allocator's events show them (``allocator_meter.AllocatorMeter``). The
-breakdown follows ``benchmarks/memory.py``: activations are the bytes live when the loss is
-computed beyond the resident state (including parameters a unit keeps gathered),
-temporaries are the rest of the peak.
+breakdown is that of the peak moment: gradient shards and activations count only if they
+are live then (a peak in the loss's backward comes before any gradient exists), and
+temporaries are the rest. ``benchmarks/memory.py`` cannot see inside its measured peak and
+breaks it down by the step's state instead (its note says how), so their columns differ
+where the peak falls before the gradients exist or after the activations are freed.
 """
 
 from __future__ import annotations
@@ -150,7 +152,10 @@ FEATURES: dict[str, tuple[str, dict]] = {
 
 @dataclass(frozen=True)
 class Estimate:
-    """Per-rank bytes: the breakdown at the peak and the phase the peak falls in."""
+    """Per-rank bytes: what is live at the peak, by kind, and the phase the peak falls in.
+
+    ``temporaries`` are the rest: gathered parameters, unsharded gradients and reduction
+    buffers, logits and their gradients."""
 
     params: float
     grads: float
@@ -162,10 +167,11 @@ class Estimate:
     peak_phase: str
     host: float  # model state kept on the host (--cpu-offload), not in ``peak``
     phases: dict[str, float]
+    step_grads: float  # the gradient shards once backward has ended (``grads``: at the peak)
 
     def gib(self) -> dict[str, float | str | dict]:
         fields = ("params", "grads", "optimizer", "buffers", "activations", "temporaries",
-                  "peak", "host")
+                  "peak", "host", "step_grads")
         out: dict = {f"{name}_gib": getattr(self, name) / GIB for name in fields}
         out["peak_phase"] = self.peak_phase
         out["phases_gib"] = {name: value / GIB for name, value in self.phases.items()}
@@ -228,7 +234,6 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
     host = 0.0
     if setup.cpu_offload:  # shards, their gradients and Adam's state stay on the host
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
-    resident = params + optimizer + buffers  # gradients are dropped at each step's start
 
     per_layer_units = not setup.root_unit_only
     vocab_unit = shape.vocabulary_unit_parameters if per_layer_units else p
@@ -248,19 +253,23 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
     # gathered 16-bit copy of the vocabulary unit while it is used (unless already counted)
     vocab_gathered = 0.0 if kept_gathered or vocab_kept else b * vocab_unit
 
-    phases: dict[str, float] = {}
+    # Each moment of the step, as the tensors live then; gradient shards exist only from
+    # backward on (fairseq drops them at the step's start) and activations until it ends.
+    state = {"params": params, "optimizer": optimizer, "buffers": buffers}
+    moments: dict[str, dict[str, float]] = {}
     if setup.chunked_loss:
         chunk = min(setup.loss_chunk_tokens, tokens)
         # one chunk of logits in the compute dtype and in fp32 (16-bit compute), in forward
         # (log-sum-exp in place) and in backward, where the weight-gradient accumulator in
         # the weight's dtype and the hidden-state gradient are live too
         logits = 4 * chunk * vocab + (b * chunk * vocab if b < 4 else 0)
-        phases["loss forward"] = resident + activations + vocab_gathered + logits
+        moments["loss forward"] = dict(state, activations=activations,
+                                       temporaries=vocab_gathered + logits)
         loss_extra = logits + b * vocab * d + b * tokens * d + vocab_gathered
     else:
         # fp32 gradient of the log-probabilities and log_softmax's fp32 input gradient
         loss_extra = 2 * 4 * tokens * vocab
-    phases["loss backward"] = resident + activations + loss_extra
+    moments["loss backward"] = dict(state, activations=activations, temporaries=loss_extra)
 
     if per_layer_units:
         # the vocabulary unit is used last by the encoder's embedding, so its gradient is
@@ -268,13 +277,9 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
         # embedding's backward the gathered copy, the gradient summed so far and the one
         # being added to it (in place) are live; then the unit's reduce-scatter
         other_grads = max(grads - 4 * vocab_unit / n, 0.0)  # none on the device if offloaded
-        end = other_grads + max(3 * b * vocab_unit, reduce_scatter(vocab_unit, rv))
-    else:
-        # one unit holds the model: its unsharded gradients next to the gathered copy, then
-        # one reduce-scatter of everything (whose input gradient is already counted above)
-        end = max(2 * b * p, reduce_scatter(p, r) - b * p)
-    phases["end of backward"] = resident + end
-    if per_layer_units:
+        moments["end of backward"] = dict(
+            state, grads=other_grads,
+            temporaries=max(3 * b * vocab_unit, reduce_scatter(vocab_unit, rv)))
         # a layer's backward: the vocabulary unit's gathered copy and unsharded gradient
         # (both kept until the encoder embedding's backward), two gathered layers, one layer
         # being recomputed and the gradients of its fp32 attention probabilities (two
@@ -282,18 +287,26 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
         # layer in backward) and every other unit's gradient shard (the last)
         heads = max(shape.encoder_heads, shape.decoder_heads)
         attention_grads = 8 * heads * s * tokens if shape.attention_dropout else 0.0
-        phases["layer backward"] = (
-            resident + kept_gathered + 2 * b * vocab_unit + 2 * b * layer_unit + recompute
-            + attention_grads + max(saved, other_grads))
+        gathered = 2 * b * vocab_unit + 2 * b * layer_unit + recompute + attention_grads
+        moments["layer backward"] = dict(
+            state, temporaries=kept_gathered + gathered,
+            **({"activations": saved} if saved >= other_grads else {"grads": other_grads}))
+    else:
+        # one unit holds the model: its unsharded gradients next to the gathered copy, then
+        # one reduce-scatter of everything (whose input gradient is already counted above)
+        moments["end of backward"] = dict(
+            state, temporaries=max(2 * b * p, reduce_scatter(p, r) - b * p))
     # optimizer: every gradient, one fp32 temporary of the largest shard (Adam's denominator
     # or the squared gradient of the norm)
     largest_shard = 4 * (shape.largest_unit if per_layer_units else p) / n
-    phases["optimizer step"] = resident + grads + (0.0 if setup.cpu_offload else largest_shard)
+    moments["optimizer step"] = dict(
+        state, grads=grads, temporaries=0.0 if setup.cpu_offload else largest_shard)
+    phases = {name: sum(parts.values()) for name, parts in moments.items()}
     peak_phase = max(phases, key=phases.__getitem__)
-    peak = phases[peak_phase]
-    temporaries = peak - params - grads - optimizer - buffers - activations
-    return Estimate(params, grads, optimizer, buffers, activations, temporaries, peak,
-                    peak_phase, host, phases)
+    at_peak = moments[peak_phase]
+    return Estimate(params, at_peak.get("grads", 0.0), optimizer, buffers,
+                    at_peak.get("activations", 0.0), at_peak["temporaries"], phases[peak_phase],
+                    peak_phase, host, phases, grads)
 
 
 def comparison(shape: ModelShape, setup: TrainingSetup) -> dict[str, Estimate]:

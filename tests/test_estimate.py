@@ -52,6 +52,30 @@ def test_chunked_loss_helps_most_with_the_stock_loss_at_600m(nllb_600m: ModelSha
     assert saved > 4 * GIB  # the tokens x 256K fp32 log-probabilities and their gradients
 
 
+@pytest.mark.parametrize("tokens", [1024, 4096])
+@pytest.mark.parametrize("features", [
+    {}, {"chunked_loss": True}, {"chunked_loss": True, "checkpoint_activations": True},
+    {"chunked_loss": True, "checkpoint_activations": True, "cpu_offload": True},
+    {"root_unit_only": True, "keep_root_gathered": True},
+])
+def test_the_breakdown_is_what_is_live_at_the_peak(
+    nllb_600m: ModelShape, tokens: int, features: dict
+) -> None:
+    """No negative part, the parts add up to the peak, and gradients count only once
+    backward has made them (the stock loss's backward comes first)."""
+    for world_size in (1, 2):
+        result = estimate(nllb_600m, TrainingSetup(world_size=world_size, tokens=tokens,
+                                                   precision="bf16", **features))
+        parts = (result.params, result.grads, result.optimizer, result.buffers,
+                 result.activations, result.temporaries)
+        assert min(parts) >= 0 and sum(parts) == pytest.approx(result.peak)
+        assert result.peak == max(result.phases.values())
+        if result.peak_phase.startswith("loss"):
+            assert result.grads == 0
+        expected_grads = 0.0 if features.get("cpu_offload") else 4 * nllb_600m.parameters
+        assert result.step_grads == pytest.approx(expected_grads / world_size)
+
+
 def _chunk_tokens(row: dict, results: Path) -> int:
     """The run's --loss-chunk-tokens: in the row, else in the Markdown table's command."""
     if "loss_chunk_tokens" in row:
