@@ -33,7 +33,9 @@ from fairseq_shard_plugin.stock_optimizer_state import adopt_stock_optimizer_sta
 logger = logging.getLogger(__name__)
 
 
-def save_full_checkpoint(trainer: Any, filename: str, extra_state: dict[str, Any]) -> str:
+def save_full_checkpoint(
+    trainer: Any, filename: str, extra_state: dict[str, Any], training_finished: bool = False
+) -> str:
     """Write ``trainer.state_dict()`` plus ``extra_state`` to ``filename``; return its path.
 
     The caller is the rank that writes (rank 0); ``state_dict`` gathers full tensors,
@@ -43,7 +45,7 @@ def save_full_checkpoint(trainer: Any, filename: str, extra_state: dict[str, Any
     """
     path = os.path.abspath(filename)
     logger.info(f"Saving checkpoint to {path}")
-    state = utils.move_to_cpu(trainer.state_dict())
+    state = utils.move_to_cpu(trainer.state_dict(filename, training_finished))
     state["extra_state"].update(extra_state)
     for leftover in remove_partial_files(os.path.dirname(path)):
         logger.warning(f"removed {leftover}, left by a save that was interrupted")

@@ -20,6 +20,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from fairseq_shard_plugin.chunked_cross_entropy import chunked_label_smoothed_cross_entropy
+from fairseq_shard_plugin.wrap_policy import is_linear_layer
 
 FUSED_METHOD = "fused_label_smoothed_cross_entropy"
 
@@ -34,14 +35,14 @@ class ChunkedLabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionC
 
 def _fused_loss(projection: torch.nn.Linear, features: torch.Tensor, *args: Any) -> Any:
     return chunked_label_smoothed_cross_entropy(
-        features, projection.weight, projection.bias, *args
+        features, projection.weight, getattr(projection, "bias", None), *args
     )
 
 
 def output_projection(model: Any) -> torch.nn.Linear:
     """The decoder's output projection, with the fused loss attached as an FSDP method."""
     projection = getattr(model.decoder, "output_projection", None)
-    if not isinstance(projection, torch.nn.Linear):
+    if projection is None or not is_linear_layer(projection):
         raise ValueError(
             "chunked_label_smoothed_cross_entropy needs a decoder with a linear "
             "output_projection (no adaptive softmax): use --criterion "

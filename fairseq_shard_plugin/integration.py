@@ -48,6 +48,22 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    written without the plugin also has its optimizer entry relabelled for the sharded
    optimizer when its state fits (fairseq's Trainer asserts the class names match and has
    no hook in between; ``stock_optimizer_state``). Other loads pass through unchanged.
+7. ``checkpoint_utils.torch_load_cpu`` (fairseq's nllb branch only): it casts every
+   checkpoint's model to fp16 when the checkpoint's config says ``--fp16`` or
+   ``--memory-efficient-fp16``. The plugin's checkpoints hold fp32 master weights under
+   those flags, so a resume would round the masters (and a sharded index, holding shard
+   references instead of tensors, would fail). The replacement reads with
+   ``weights_only=True`` and skips the cast while the trainer loads and for sharded
+   indexes; other loads (inference) keep the branch's cast.
+8. ``fairseq.utils.import_user_module``: the nllb branch's version raises ImportError for a
+   user dir whose package is already imported (0.12 skips it), which is exactly the case
+   under ``fairseq-hydra-train`` once the plugin's Hydra callback has imported it. The
+   wrapper skips the plugin's own package when it is given as user dir; other user dirs go
+   to fairseq's function.
+
+Signatures that differ between fairseq 0.12 and the nllb branch (extra keyword arguments of
+``fsdp_enable_wrap``, ``save_checkpoint``, ``load_checkpoint_to_cpu``, ``Trainer.state_dict``
+and ``Trainer.save_checkpoint``) are passed through, so both work.
 """
 
 from __future__ import annotations
@@ -63,6 +79,7 @@ import fairseq
 import fairseq.checkpoint_utils as checkpoint_utils
 import fairseq.distributed.utils as distributed_utils
 import fairseq.logging.meters as fairseq_meters
+import fairseq.utils as fairseq_utils
 import fairseq_cli.train as train_cli
 from fairseq.file_io import PathManager
 
@@ -83,8 +100,9 @@ _INSTALLED_MARK = "_fairseq_shard_plugin_installed"
 
 
 @contextlib.contextmanager
-def _no_fairscale_wrapping(distributed_cfg: Any) -> Iterator[None]:
-    """Replaces ``fsdp_enable_wrap``: build plain layers; sharding happens in the trainer."""
+def _no_fairscale_wrapping(distributed_cfg: Any, **kwargs: Any) -> Iterator[None]:
+    """Replaces ``fsdp_enable_wrap``: build plain layers; sharding happens in the trainer.
+    (The nllb branch passes ``is_moe=``; MoE models are refused before this point.)"""
     yield
 
 
@@ -171,12 +189,21 @@ def _atomic_checkpoint_copies() -> Iterator[None]:
 
 
 def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
-    def save_checkpoint(cfg: Any, trainer: Any, epoch_itr: Any, val_loss: Any) -> Any:
+    def save_checkpoint(cfg: Any, trainer: Any, epoch_itr: Any, val_loss: Any,
+                        *args: Any, **kwargs: Any) -> Any:
+        # (the nllb branch adds ``training_finished`` and ``async_callback_fn``)
         if not getattr(trainer, "writes_checkpoints_atomically", False):
-            return stock_save(cfg, trainer, epoch_itr, val_loss)
+            return stock_save(cfg, trainer, epoch_itr, val_loss, *args, **kwargs)
+        gathers_before = trainer.state_dict_calls
         with _atomic_checkpoint_copies():
-            saved = stock_save(cfg, trainer, epoch_itr, val_loss)
-        if trainer.should_save_checkpoint_on_current_rank and not cfg.no_save:
+            saved = stock_save(cfg, trainer, epoch_itr, val_loss, *args, **kwargs)
+        saving_rank = trainer.should_save_checkpoint_on_current_rank
+        if not saving_rank and not cfg.no_save and trainer.state_dict_calls == gathers_before:
+            # Building the state is collective (gathers, or a DCP save): fairseq 0.12 has
+            # the other ranks call ``state_dict()`` too; the nllb branch returns on them
+            # first, which would leave the saving rank alone in the collective.
+            trainer.state_dict()
+        if saving_rank and not cfg.no_save:
             trainer.after_checkpoint_save()
         return saved
 
@@ -211,16 +238,50 @@ def loading_into_trainer(loader: TrainerLoader) -> Iterator[None]:
 
 def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., Any]:
     def load_checkpoint_to_cpu(path: str, arg_overrides: Any = None,
-                               load_on_all_ranks: bool = False) -> Any:
+                               load_on_all_ranks: bool = False, **kwargs: Any) -> Any:
         from fairseq_shard_plugin.checkpoint_sharded import is_sharded_index
 
-        state = stock_load(path, arg_overrides, load_on_all_ranks)
+        state = stock_load(path, arg_overrides, load_on_all_ranks, **kwargs)  # nllb: is_moe
         if _trainer_loaders:
             return _trainer_loaders[-1](path, state)
         return _full_tensors_of_index(path, state) if is_sharded_index(state) else state
 
     load_checkpoint_to_cpu.__wrapped__ = stock_load  # type: ignore[attr-defined]
     return load_checkpoint_to_cpu
+
+
+def _keeping_fp32_masters(stock_load_cpu: Callable[..., Any]) -> Callable[..., Any]:
+    """Replaces the nllb branch's ``torch_load_cpu`` in ``checkpoint_utils`` (hook 7)."""
+
+    def torch_load_cpu(path: str) -> Any:
+        import torch
+
+        from fairseq_shard_plugin.checkpoint_sharded import is_sharded_index
+
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if _trainer_loaders or not isinstance(state, dict) or is_sharded_index(state):
+            return state  # fp32 masters for the trainer; shard references stay references
+        common = (state.get("cfg") or {}).get("common") or {}
+        if common.get("fp16") or common.get("memory_efficient_fp16"):  # the branch's own rule
+            state["model"] = {name: value.half() for name, value in state["model"].items()}
+        return state
+
+    torch_load_cpu.__wrapped__ = stock_load_cpu  # type: ignore[attr-defined]
+    return torch_load_cpu
+
+
+def _importing_the_plugin_once(stock_import: Callable[..., Any]) -> Callable[..., Any]:
+    """Replaces ``fairseq.utils.import_user_module`` (hook 8)."""
+
+    def import_user_module(args: Any) -> Any:
+        user_dir = getattr(args, "user_dir", None)
+        package = __name__.split(".")[0]
+        if user_dir and os.path.basename(os.path.normpath(user_dir)) == package:
+            return None  # imported already: this module is part of it
+        return stock_import(args)
+
+    import_user_module.__wrapped__ = stock_import  # type: ignore[attr-defined]
+    return import_user_module
 
 
 def _train_modules() -> list[Any]:
@@ -251,6 +312,12 @@ def install() -> None:
         module.Trainer = _select_trainer(module.Trainer)
         setattr(module, _INSTALLED_MARK, True)
     fairseq_meters.MaxMeter = MaxMeter
+    stock_load_cpu = getattr(checkpoint_utils, "torch_load_cpu", None)  # nllb branch only
+    if stock_load_cpu is not None and not hasattr(stock_load_cpu, "__wrapped__"):
+        checkpoint_utils.torch_load_cpu = _keeping_fp32_masters(stock_load_cpu)
+    if not hasattr(fairseq_utils.import_user_module, "__wrapped__"):
+        fairseq_utils.import_user_module = _importing_the_plugin_once(
+            fairseq_utils.import_user_module)
     if not hasattr(checkpoint_utils.load_checkpoint_to_cpu, "__wrapped__"):
         checkpoint_utils.load_checkpoint_to_cpu = _with_sharded_checkpoints(
             checkpoint_utils.load_checkpoint_to_cpu)

@@ -51,6 +51,7 @@ class _GlobalsTheTaskReads(ShardingConfig):
         "dataset.dataset_impl"
     )
     train_subset: str = II("dataset.train_subset")
+    valid_subset: str = II("dataset.valid_subset")  # the nllb branch's data manager reads it
 
 
 @cache

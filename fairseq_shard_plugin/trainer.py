@@ -8,7 +8,9 @@ training loop (batching, logging, validation, checkpoint scheduling) runs unchan
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
+import os
 from collections.abc import Iterator
 from itertools import chain
 from typing import Any
@@ -135,6 +137,11 @@ class ShardedTrainer(Trainer):
         self.offload = bool(cfg.distributed_training.cpu_offload)
         with _without_16_bit_flags(cfg.common), _offload_hidden(self, cfg.distributed_training):
             super().__init__(cfg, task, sharded_model, criterion, quantizer)
+        # the nllb branch's multilingual data manager expands the task's valid_subset into
+        # one split per direction, which its train.py reads only for the stock task name
+        task_valid_subset = getattr(getattr(task, "args", None), "valid_subset", None)
+        if task_valid_subset and task_valid_subset != cfg.dataset.valid_subset:
+            cfg.dataset.valid_subset = task_valid_subset
         if self.offload:  # fairseq's constructor left placement to FSDP (see _offload_hidden)
             self._criterion = self._criterion.to(device=self.device)
         self._memory_probe = (
@@ -210,17 +217,41 @@ class ShardedTrainer(Trainer):
             return None
         return super()._reduce_and_log_stats(logging_outputs, sample_size, grad_norm)
 
-    def state_dict(self) -> dict[str, Any]:
-        """A standard fairseq checkpoint with full (gathered) model and optimizer tensors, or
-        under ``--checkpoint-format sharded`` an index of the shards just written (DCP)."""
-        return checkpoint_state(self, super().state_dict)
+    state_dict_calls = 0  # how many checkpoint states this rank has built (integration hook 5)
 
-    def save_checkpoint(self, filename: str, extra_state: dict[str, Any]) -> str | None:
-        """Write the checkpoint on the saving rank; a crash never leaves a half-written file."""
+    def state_dict(self, filename: str = "checkpoint.pt",
+                   training_finished: bool = False) -> dict[str, Any]:
+        """A standard fairseq checkpoint with full (gathered) model and optimizer tensors, or
+        under ``--checkpoint-format sharded`` an index of the shards just written (DCP).
+        A collective: every rank calls it at each save. (The arguments are the nllb
+        branch's, whose Trainer returns ``{filename: state}``; 0.12's takes none.)"""
+        self.state_dict_calls += 1
+
+        def stock_state() -> dict[str, Any]:
+            if "filename" not in inspect.signature(Trainer.state_dict).parameters:
+                return Trainer.state_dict(self)
+            (state,) = Trainer.state_dict(self, filename, training_finished).values()
+            return state
+
+        return checkpoint_state(self, stock_state)
+
+    def save_checkpoint(self, filename: str, extra_state: dict[str, Any],
+                        training_finished: bool = False, async_callback_fn: Any = None
+                        ) -> str | None:
+        """Write the checkpoint on the saving rank; a crash never leaves a half-written file.
+
+        fairseq also saves ``crash.pt`` from inside its exception handlers, on whichever
+        ranks failed: building a sharded state is collective, so that save would wait for
+        ranks that never join it (a hang, or a gloo error hiding the real one). It is
+        skipped, and fairseq goes on to raise the original error."""
+        if os.path.basename(filename) == "crash.pt":
+            logger.warning(f"not saving {filename}: a sharded state cannot be gathered from "
+                           "one rank's exception handler")
+            return None
         record_ranks(extra_state, self.data_parallel_world_size)
         if not self.should_save_checkpoint_on_current_rank:
             return None
-        return save_full_checkpoint(self, filename, extra_state)
+        return save_full_checkpoint(self, filename, extra_state, training_finished)
 
     def after_checkpoint_save(self) -> None:
         """Called on the saving rank after fairseq's copies and removals (hook 5)."""
@@ -262,6 +293,18 @@ class ShardedTrainer(Trainer):
         return extra_state
 
     def train_step(self, samples: Any, raise_oom: bool = False) -> Any:
+        """fairseq's step, measured. After a FloatingPointError (non-finite gradients, or
+        fp16's --min-loss-scale reached) fairseq reruns the step under its NanDetector,
+        whose module hooks fail on torch 2 with a bare StopIteration; the original error
+        is raised instead, so the log ends with what went wrong."""
+        try:
+            return self._measured_train_step(samples, raise_oom)
+        except StopIteration as error:
+            if isinstance(error.__context__, FloatingPointError):
+                raise error.__context__ from None
+            raise
+
+    def _measured_train_step(self, samples: Any, raise_oom: bool) -> Any:
         if self._memory_probe is None:
             return super().train_step(samples, raise_oom)
         if self.offload:  # model state lives on the host: not accelerator memory

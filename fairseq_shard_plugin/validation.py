@@ -113,7 +113,37 @@ def check_sharded_config(cfg: Any) -> None:
             f"`torchrun --nproc_per_node {dist_cfg.distributed_world_size} "
             "$(which fairseq-train) ...` instead of --distributed-world-size"
         )
+    check_branch_options(cfg)
     check_fairscale_engine(cfg)
+
+
+def check_branch_options(cfg: Any) -> None:
+    """Options of fairseq's nllb branch (and MoE layers, also in 0.12) that the plugin
+    cannot honour; read with defaults, since 0.12 lacks most of them."""
+    model, checkpoint = cfg.model, cfg.checkpoint
+    moe = ("mixture-of-experts layers are outside the plugin's wrap policy: remove it, or "
+           "train without the plugin")
+    unworkable = {  # flag: (given, why and what to do)
+        "--moe-freq": ((getattr(model, "moe_freq", 0) or 0) > 0, moe),
+        "--base-layers": ((getattr(model, "base_layers", 0) or 0) > 0, moe),
+        "--init-model-on-gpu": (bool(getattr(model, "init_model_on_gpu", False)),
+                                "it builds 16-bit parameters where the plugin keeps fp32 "
+                                "master shards: remove it"),
+        "--optimizer adam8bit": (getattr(cfg.optimizer, "_name", None) == "adam8bit",
+                                 "its blockwise-quantised state cannot be sharded per "
+                                 "element: use --optimizer adam"),
+        "--s3-upload-path": (bool(getattr(checkpoint, "s3_upload_path", None)),
+                             "it needs asynchronous checkpoint writes, which cannot stay "
+                             "atomic: upload the saved files separately"),
+        "--synchronize-checkpoints-before-copy": (
+            bool(getattr(checkpoint, "synchronize_checkpoints_before_copy", False)),
+            "fairseq runs its barrier on the saving rank only, and the plugin's saves are "
+            "collective already: remove it"),
+    }
+    for flag, (given, advice) in unworkable.items():
+        if given:
+            raise ShardingConfigError(
+                f"{flag} is not supported with --ddp-backend fully_sharded: {advice}")
 
 
 def check_fairscale_engine(cfg: Any) -> None:

@@ -46,10 +46,21 @@ class ShardingPlan:
     root: ShardUnit
 
 
+def is_linear_layer(module: nn.Module) -> bool:
+    """An ``nn.Linear``, or a module that is one in all but class: fairseq's nllb branch
+    builds its projections (the output projection included) as
+    ``fairseq.modules.linear.Linear``, a plain ``nn.Module`` with a 2-D weight and a bias."""
+    if isinstance(module, nn.Linear):
+        return True
+    weight = getattr(module, "weight", None)
+    return (not isinstance(module, nn.Embedding) and isinstance(weight, nn.Parameter)
+            and weight.dim() == 2 and next(module.children(), None) is None)
+
+
 def _is_vocabulary_module(name: str, module: nn.Module) -> bool:
     if isinstance(module, nn.Embedding):
         return not isinstance(module, LearnedPositionalEmbedding)
-    return isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] == OUTPUT_PROJECTION_NAME
+    return is_linear_layer(module) and name.rsplit(".", 1)[-1] == OUTPUT_PROJECTION_NAME
 
 
 def _group_by_shared_parameters(

@@ -26,6 +26,7 @@ REFUSED = {
     "--zero-sharding": ["--zero-sharding", "os"],
     "--use-sharded-state": ["--use-sharded-state"],
     "torchrun --nproc_per_node 2": ["--distributed-world-size", "2"],
+    "--base-layers": ["--base-layers", "1"],
 }
 UNKNOWN_ENGINE = ["--task", "sharded_translation", "--shard-engine", "deepspeed"]
 ONE_RANK = ["--no-save"]

@@ -129,7 +129,8 @@ def test_both_entry_points_give_the_multilingual_task_its_stock_options(
 
     def from_hydra(task_keys: dict) -> Namespace:
         root = OmegaConf.create({"common": {"seed": 2},
-                                 "dataset": {"dataset_impl": None, "train_subset": "train"},
+                                 "dataset": {"dataset_impl": None, "train_subset": "train",
+                                             "valid_subset": "valid"},
                                  "task": task_keys})
         return task_namespace(merge_with_parent(ShardedMultilingualConfig(), root.task))
 
@@ -162,7 +163,8 @@ def test_a_bad_multilingual_option_names_its_flag_and_hydra_key() -> None:
 
 def test_a_multilingual_key_left_missing_is_named() -> None:
     cfg = OmegaConf.structured(
-        ShardedMultilingualConfig(seed=1, dataset_impl=None, train_subset="train"))
+        ShardedMultilingualConfig(seed=1, dataset_impl=None, train_subset="train",
+                                  valid_subset="valid"))
     cfg.lang_pairs = "???"  # left mandatory; data is ??? by default
     with pytest.raises(MultilingualOptionError, match=r"set task\.data, task\.lang_pairs \(the"):
         task_namespace(cfg)

@@ -106,3 +106,19 @@ def test_fp16_checkpoint_holds_fp32_masters_that_reload_exactly(
     assert report["saved_dtypes"] == report["master_dtypes"] == ["torch.float32"]
     assert report["masters_equal"] and report["optimizer_equal"]
     assert report["loss_scale"] == report["saved_loss_scale"] > 0
+
+
+def test_minimum_loss_scale_stops_every_rank_with_that_error(corpus: Path, tmp_path: Path) -> None:
+    """fairseq saves crash.pt from its exception handler and reruns the step under its
+    NanDetector: the save alone on a rank (a collective) must not hang or mask the error,
+    and the rerun's torch-2 StopIteration must not replace it."""
+    args = training_args(corpus, tmp_path, 3) + TINY + [
+        "--task", "sharded_translation", "--fp16", "--fp16-init-scale", str(2**40),
+        "--min-loss-scale", "1e12"]
+    run = run_training(args, nproc=2, plugin=True, check=False)
+    assert run.returncode != 0
+    for rank in range(2):
+        assert f"[rank{rank}]: FloatingPointError: Minimum loss scale reached" in run.output
+    assert "StopIteration" not in run.output and "gloo" not in run.output.split(
+        "Minimum loss scale reached")[-1]
+    assert not (tmp_path / "crash.pt").exists()

@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.nn as nn
 from fairseq import options, tasks
 
 import fairseq_shard_plugin  # noqa: F401  (registers the plugin, as --user-dir does)
-from fairseq_shard_plugin.wrap_policy import LAYER_CLASSES, build_plan
+from fairseq_shard_plugin.wrap_policy import LAYER_CLASSES, build_plan, is_linear_layer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,6 +48,29 @@ def test_encoder_decoder_layers_and_tied_vocabulary(corpus: Path, arch: str) -> 
     assert unit_names(model) == [*LAYERS, "encoder.embed_tokens+decoder.output_projection"]
     vocabulary = build_plan(model).units[-1]
     assert model.decoder.embed_tokens in vocabulary.modules  # the same module as the encoder's
+
+
+class LinearOfAnotherClass(nn.Module):
+    """Like the nllb branch's ``fairseq.modules.linear.Linear``: not an ``nn.Linear``."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
+def test_a_tied_output_projection_of_another_class_joins_the_vocabulary_unit(
+    corpus: Path,
+) -> None:
+    model = build_model(corpus, "translation", "transformer", [*SMALL, "--share-all-embeddings"])
+    model.decoder.output_projection = LinearOfAnotherClass(model.decoder.embed_tokens.weight)
+    assert unit_names(model) == [*LAYERS, "encoder.embed_tokens+decoder.output_projection"]
+    assert is_linear_layer(model.decoder.output_projection)
+    assert not is_linear_layer(model.decoder.embed_tokens)  # 2-D weight, but an embedding
+    assert not is_linear_layer(model.decoder.layers[0])  # a module with children
 
 
 def test_untied_embeddings_are_separate_units(corpus: Path) -> None:

@@ -33,7 +33,12 @@ import torch.nn.functional as F
 from fairscale.nn.checkpoint import checkpoint_wrapper
 from fairscale.nn.data_parallel import FullyShardedDataParallel
 
-from fairseq_shard_plugin.wrap_policy import LAYER_CLASSES, ShardingPlan, ShardUnit
+from fairseq_shard_plugin.wrap_policy import (
+    LAYER_CLASSES,
+    ShardingPlan,
+    ShardUnit,
+    is_linear_layer,
+)
 
 
 @dataclass(frozen=True)
@@ -132,9 +137,10 @@ def _tied_parts(unit: ShardUnit, model: nn.Module) -> tuple[nn.Embedding, list[s
     """The unit's embedding, the names of the projections tied to it, and its name."""
     names = dict((id(m), n) for n, m in model.named_modules())
     embeddings = [m for m in unit.modules if type(m) is nn.Embedding]
-    projections = [m for m in unit.modules if type(m) is nn.Linear]
+    projections = [m for m in unit.modules if is_linear_layer(m)]
     if len(embeddings) != 1 or len(projections) != len(unit.modules) - 1 or any(
-        p.weight is not embeddings[0].weight or p.bias is not None for p in projections
+        p.weight is not embeddings[0].weight or getattr(p, "bias", None) is not None
+        for p in projections
     ):
         raise ValueError(
             f"--shard-engine fairscale cannot shard the tied unit {unit.name}: it needs one "
