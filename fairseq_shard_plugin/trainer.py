@@ -25,6 +25,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from fairseq_shard_plugin.checkpoint_errors import (
     CheckpointLoadError,
     describe_checkpoint_problem,
+    refuse_to_skip_fairscale_shards,
     state_dict_shapes,
 )
 from fairseq_shard_plugin.checkpoint_files import (
@@ -265,6 +266,7 @@ class ShardedTrainer(Trainer):
         :class:`CheckpointLoadError` naming the file and the mismatch.
         """
         reset_optimizer = bool(args[0] if args else kwargs.get("reset_optimizer", False))
+        refuse_to_skip_fairscale_shards(filename)
         try:
             index = read_sharded_index(filename)
             if index is None:

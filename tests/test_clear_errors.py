@@ -37,8 +37,10 @@ def launches(
     corpus: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """Every case's finished ``fairseq-train`` and its --save-dir, all run concurrently."""
-    cases = dict(REFUSED, unknown_engine=UNKNOWN_ENGINE, one_rank=ONE_RANK)
+    cases = dict(REFUSED, unknown_engine=UNKNOWN_ENGINE, one_rank=ONE_RANK, fairscale_shards=[])
     save_dirs = {name: tmp_path_factory.mktemp("refused") / "save" for name in cases}
+    save_dirs["fairscale_shards"].mkdir()
+    (save_dirs["fairscale_shards"] / "checkpoint_last-shard0.pt").write_bytes(b"stock run")
     finished = run_concurrently({
         name: [tool("fairseq-train"), *training_args(corpus, save_dirs[name], 2), *TINY,
                "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded", *extra]
@@ -71,3 +73,16 @@ def test_single_process_without_torchrun_trains_on_a_one_rank_group(
     completed, _ = launches["one_rank"]
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "and the root over 1 ranks" in completed.stdout + completed.stderr
+
+
+def test_checkpoints_of_fairseqs_own_fully_sharded_are_not_silently_skipped(
+    launches: dict[str, tuple[subprocess.CompletedProcess, Path]],
+) -> None:
+    """fairseq's fairscale path saves checkpoint_last-shard0.pt, ...; without the plugin
+    telling, a switched run would find no checkpoint_last.pt and start from scratch."""
+    completed, save_dir = launches["fairscale_shards"]
+    assert completed.returncode != 0
+    last_line = completed.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("fairseq-shard-plugin: error: ")
+    assert "--restore-file" in last_line and "checkpoint_last-shard0.pt" in last_line
+    assert [f.name for f in save_dir.iterdir()] == ["checkpoint_last-shard0.pt"]
