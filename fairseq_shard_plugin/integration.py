@@ -15,7 +15,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    That subclass overrides two of the Trainer's private methods, for want of public ones:
    ``_build_optimizer`` (the optimizer steps on fp32 master shards) and
    ``_reduce_and_log_stats`` (an fp16 update skipped for overflow logs nothing, as in
-   fairseq, whose own skip path calls ``.cuda()`` and so cannot run on CPU ranks).
+   fairseq, whose own skip path calls ``.cuda()`` and so cannot run on CPU ranks); it also
+   sets the Trainer's ``cuda_env`` aside, because ``train_step`` resets CUDA's peak memory
+   statistics through it before the plugin could read the step's peak.
 3. ``fairseq.logging.meters.MaxMeter``: fairseq restores logged meters from checkpoints by
    looking their class names up in that module, so the plugin's per-step peak-memory meter
    is made findable there; otherwise resuming would fail on its name.

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from fairseq import optim
+from fairseq.logging import metrics
 from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 from torch.distributed.tensor.experimental import implicit_replication
@@ -143,6 +144,10 @@ class ShardedTrainer(Trainer):
         task_valid_subset = getattr(getattr(task, "args", None), "valid_subset", None)
         if task_valid_subset and task_valid_subset != cfg.dataset.valid_subset:
             cfg.dataset.valid_subset = task_valid_subset
+        # fairseq's train_step reads and resets CUDA's peak statistics for its gb_free metric
+        # before returning, which would cut the step's peak the probe reads afterwards: its
+        # CUDA environment is kept here instead, and gb_free comes from the probe's peak.
+        self._cuda_environment, self.cuda_env = self.cuda_env, None
         if self.offload:  # fairseq's constructor left placement to FSDP (see _offload_hidden)
             self._criterion = self._criterion.to(device=self.device)
         self._memory_probe = (
@@ -320,6 +325,10 @@ class ShardedTrainer(Trainer):
             step_memory = self._memory_probe.stop()
         log_step_memory(step_memory, storage_bytes(self._model_state_tensors()), self.device,
                         offloaded=self.offload)
+        if self._cuda_environment is not None and step_memory is not None:
+            metrics.log_scalar("gb_free", self._cuda_environment.total_memory_in_GB
+                               - step_memory.peak_allocated / 1024**3,
+                               priority=1500, round=1, weight=0)
         return logging_output
 
     def _trainable_params(self) -> list[torch.nn.Parameter]:
