@@ -134,13 +134,18 @@ def export_follows_training() -> bool:
     return _export_follows_main
 
 
-def _then_export(main: Callable[..., Any]) -> Callable[..., Any]:
-    """``main`` (the training), then ``--export-consolidated`` on rank 0."""
+class _TrainThenExport:
+    """``main`` (the training), then ``--export-consolidated`` on rank 0. A class, not a
+    closure: fairseq's own multi-GPU launch (``fairseq-train`` without torchrun) pickles
+    ``main`` into the processes it spawns."""
 
-    def train_then_export(cfg: Any, **kwargs: Any) -> Any:
+    def __init__(self, main: Callable[..., Any]) -> None:
+        self.main = main
+
+    def __call__(self, cfg: Any, **kwargs: Any) -> Any:
         global _export_follows_main
         _export_follows_main = True
-        result = main(cfg, **kwargs)
+        result = self.main(cfg, **kwargs)
         target = sharding_options(cfg.task).export_consolidated
         if target and cfg.distributed_training.distributed_rank == 0:
             from fairseq_shard_plugin.consolidate import export_consolidated
@@ -149,8 +154,6 @@ def _then_export(main: Callable[..., Any]) -> Callable[..., Any]:
             written = export_consolidated(os.path.join(cfg.checkpoint.save_dir, last), target)
             logging.getLogger(__name__).info(f"exported the final model to {written}")
         return result
-
-    return train_then_export
 
 
 def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[..., Any]:
@@ -161,7 +164,7 @@ def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[
         untie_bf16_from_tpu(cfg)
         try:
             check_sharded_config(cfg)
-            return stock_call_main(cfg, _then_export(main), **kwargs)
+            return stock_call_main(cfg, _TrainThenExport(main), **kwargs)
         except (ShardingConfigError, CheckpointLoadError) as error:
             sys.exit(f"fairseq-shard-plugin: error: {error}")
 

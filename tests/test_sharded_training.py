@@ -207,3 +207,16 @@ def test_the_place_in_the_epoch_is_converted_between_numbers_of_ranks() -> None:
     assert convert_position(stock, 4) is None and stock == state(30, None)
     record_ranks(stock, 2)
     assert stock["train_iterator"]["data_parallel_ranks"] == 2
+
+
+def test_the_wrapped_training_entry_survives_fairseqs_own_spawn() -> None:
+    """Without torchrun, fairseq-train on N GPUs spawns N processes and pickles ``main``
+    (wrapped by the plugin for --export-consolidated) into each."""
+    import pickle
+
+    import fairseq_cli.train as train_cli
+
+    from fairseq_shard_plugin.integration import _TrainThenExport
+
+    unpickled = pickle.loads(pickle.dumps(_TrainThenExport(train_cli.main)))
+    assert unpickled.main is train_cli.main
