@@ -171,8 +171,9 @@ def start_ranks(
     its workers (``TORCHRUN_VARIABLES``), but without torchrun's agent process, whose own
     start-up (it imports torch before starting any rank) would add seconds to every test
     launch. The commands documented for users run under torchrun itself in test_hydra,
-    test_sharded_training (the sharding inspection), test_checkpoints (crash and reshard
-    helpers) and test_hybrid_offload (two torchrun "nodes").
+    test_sharded_training (the sharding inspection), test_checkpoints (the crash helper),
+    test_precision (overflow and reload helpers) and test_hybrid_offload (two torchrun
+    "nodes").
 
     Returns the first failing exit code (or 0) and the ranks' outputs, rank 0 first.
     """

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import sys
 from pathlib import Path
 
-from benchmarks.harness import REPO, free_port, tool, transformer_args
+from benchmarks.harness import REPO, start_ranks, transformer_args
 
 TINY = transformer_args(dim=64, ffn=128, layers=2)
 # The stock and sharded reference runs (conftest fixtures) train this many updates.
@@ -29,13 +29,12 @@ def reshard(nproc: int, corpus: Path, work: Path, spec: dict) -> dict:
     """Run ``helpers/reshard_checkpoints.py`` on ``nproc`` ranks; return its report."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "spec.json").write_text(json.dumps(spec))
-    command = [tool("torchrun"), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), str(RESHARD_HELPER),
+    command = [sys.executable, str(RESHARD_HELPER),
                str(work / "report.json"), str(work / "spec.json"), str(corpus), *TINY,
                "--cpu", "--task", "sharded_translation", "--optimizer", "adam", "--lr", "1e-3",
                "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
                "--ddp-backend", "fully_sharded", *SHARDED, "--save-dir", str(work)]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                               env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert completed.returncode == 0, completed.stderr[-4000:]
+    returncode, output = start_ranks(command, nproc, dict(os.environ, OMP_NUM_THREADS="1"),
+                                     timeout=300)
+    assert returncode == 0, output[-4000:]
     return json.loads((work / "report.json").read_text())
