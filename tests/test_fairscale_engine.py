@@ -25,12 +25,12 @@ from benchmarks.harness import (
     run_training,
     tool,
     training_args,
-    transformer_args,
 )
 from fairseq_shard_plugin.safe_loading import allow_fairseq_checkpoint_types
 from fairseq_shard_plugin.validation import ShardingConfigError, check_fairscale_engine
 
-TINY = transformer_args(dim=64, ffn=128, layers=2)
+from tiny_training import TINY
+
 VARIANTS = {
     "fp32": [],
     "fp16": ["--fp16"],
