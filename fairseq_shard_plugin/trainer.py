@@ -55,6 +55,7 @@ from fairseq_shard_plugin.precision import (
 from fairseq_shard_plugin.validation import (
     ShardingConfigError,
     check_sharded_config,
+    generating_validation_option,
     shard_group_size,
 )
 from fairseq_shard_plugin.wrap_policy import build_plan
@@ -298,6 +299,14 @@ class ShardedTrainer(Trainer):
         if converted:
             logger.info(converted)
         return extra_state
+
+    def valid_step(self, sample: Any, *args: Any, **kwargs: Any) -> Any:
+        """fairseq's validation step; when it also generates (``--eval-bleu`` and the like),
+        with the whole model gathered around it (see :func:`.engines.fsdp2.gathered`)."""
+        if generating_validation_option(self.cfg.task) is None:
+            return super().valid_step(sample, *args, **kwargs)
+        with self.engine.gathered(self.sharding_plan):
+            return super().valid_step(sample, *args, **kwargs)
 
     def train_step(self, samples: Any, raise_oom: bool = False) -> Any:
         """fairseq's step, measured. After a FloatingPointError (non-finite gradients, or

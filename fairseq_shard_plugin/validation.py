@@ -146,6 +146,19 @@ def check_branch_options(cfg: Any) -> None:
                 f"{flag} is not supported with --ddp-backend fully_sharded: {advice}")
 
 
+# Task options (fairseq 0.12's translation, audio and speech tasks) that make valid_step
+# generate with the model besides computing the loss.
+GENERATING_VALIDATION_OPTIONS = ("eval_bleu", "eval_wer", "eval_wer_parse", "eval_inference")
+
+
+def generating_validation_option(task_cfg: Any) -> str | None:
+    """The option, as a flag, that makes validation generate (e.g. ``--eval-bleu``), if any."""
+    for name in GENERATING_VALIDATION_OPTIONS:
+        if getattr(task_cfg, name, False) is True:
+            return "--" + name.replace("_", "-")
+    return None
+
+
 def check_fairscale_engine(cfg: Any) -> None:
     """``--shard-engine fairscale`` runs on CUDA streams, without the FSDP2-only features."""
     if getattr(cfg.task, "shard_engine", None) != "fairscale":
@@ -158,6 +171,9 @@ def check_fairscale_engine(cfg: Any) -> None:
         ),
         "--criterion chunked_label_smoothed_cross_entropy":
             getattr(cfg.criterion, "_name", None) == "chunked_label_smoothed_cross_entropy",
+        # generation calls submodules directly: the plugin gathers FSDP2 units around it
+        f"{generating_validation_option(cfg.task)} (generation in validation)":
+            generating_validation_option(cfg.task) is not None,
     }
     for flag, given in unsupported.items():
         if given:

@@ -16,7 +16,7 @@ if str(REPO) not in sys.path:
 from benchmarks.harness import RunResult, run_training, training_args  # noqa: E402
 from fairseq_shard_plugin.synthetic_corpus import make_corpus  # noqa: E402
 
-from tiny_training import REFERENCE_UPDATES, TINY  # noqa: E402
+from tiny_training import EVAL_BLEU, REFERENCE_UPDATES, TINY  # noqa: E402
 
 LANGUAGES = ("eng_Latn", "fra_Latn", "deu_Latn")
 
@@ -39,10 +39,11 @@ def multilingual(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def stock_tiny_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    """Stock fairseq (legacy_ddp, no plugin) training TINY on 2 ranks: the fp32 reference."""
+    """Stock fairseq (legacy_ddp, no plugin) training TINY on 2 ranks: the fp32 reference;
+    its validations translate too (BLEU)."""
     save_dir = tmp_path_factory.mktemp("stock_tiny")
-    return run_training(training_args(corpus, save_dir, REFERENCE_UPDATES) + TINY, nproc=2,
-                        plugin=False)
+    args = training_args(corpus, save_dir, REFERENCE_UPDATES) + TINY + [*EVAL_BLEU]
+    return run_training(args, nproc=2, plugin=False)
 
 
 @pytest.fixture(scope="session")
@@ -52,5 +53,5 @@ def sharded_tiny_run(
     """The same training with the plugin (fully_sharded, fp32); its save dir."""
     save_dir = tmp_path_factory.mktemp("sharded_tiny")
     args = training_args(corpus, save_dir, REFERENCE_UPDATES) + TINY + [
-        "--task", "sharded_translation"]
+        "--task", "sharded_translation", *EVAL_BLEU]
     return run_training(args, nproc=2, plugin=True), save_dir

@@ -67,6 +67,22 @@ def test_sharded_loss_matches_stock_unsharded_tiny_run(
     assert valid and relative_difference(valid, stock_valid) <= 1e-4
 
 
+def test_validation_translates_as_stock_fairseq_does(
+    stock_tiny_run: RunResult, sharded_tiny_run: tuple[RunResult, Path]
+) -> None:
+    """--eval-bleu: fairseq's generator calls the encoder and decoder directly, and ranks
+    decode different numbers of steps; the plugin gathers the model around validation, so
+    the sharded run logs the same hypotheses and BLEU as stock fairseq."""
+    sharded, _ = sharded_tiny_run
+
+    def hypotheses(run: RunResult) -> list[str]:
+        return re.findall(r"example hypothesis: (.*)", run.output)
+
+    assert hypotheses(sharded) and hypotheses(sharded) == hypotheses(stock_tiny_run)
+    bleu = sharded.series("valid", "valid_bleu")
+    assert bleu and bleu == stock_tiny_run.series("valid", "valid_bleu")
+
+
 def test_every_log_line_carries_peak_memory(sharded_tiny_run: tuple[RunResult, Path]) -> None:
     sharded, _ = sharded_tiny_run
     for entry in sharded.logs["train_inner"]:

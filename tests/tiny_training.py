@@ -18,6 +18,9 @@ TINY = transformer_args(dim=64, ffn=128, layers=2)
 REFERENCE_UPDATES = 50
 RESHARD_HELPER = REPO / "tests" / "helpers" / "reshard_checkpoints.py"
 SHARDED = ("--checkpoint-format", "sharded")
+# Validation that also translates (BLEU, and rank 0's first hypothesis of every batch logged).
+EVAL_BLEU = ("--eval-bleu", "--eval-bleu-args", '{"beam": 2, "max_len_b": 20}',
+             "--eval-bleu-detok", "space", "--eval-bleu-print-samples")
 
 
 def relative_difference(a: list[float], b: list[float]) -> float:

@@ -8,6 +8,7 @@ shards. ``fsdp2`` keeps parameters as DTensors; ``fairscale`` as flat per-unit s
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -37,6 +38,10 @@ class Engine(Protocol):
 
     def shard_loaded_state(self, optimizer: torch.optim.Optimizer) -> None:
         """After a full optimizer state was loaded, keep this rank's slices."""
+
+    def gathered(self, plan: ShardingPlan) -> AbstractContextManager[None]:
+        """All parameters gathered until exit: forwards of any submodule without collectives
+        (generation in validation, see :func:`.fsdp2.gathered`)."""
 
 
 class Fsdp2Engine:
@@ -75,6 +80,9 @@ class Fsdp2Engine:
     def shard_loaded_state(self, optimizer: torch.optim.Optimizer) -> None:
         shard_optimizer_state_like_params(optimizer)
 
+    def gathered(self, plan: ShardingPlan) -> AbstractContextManager[None]:
+        return fsdp2.gathered(plan)
+
 
 class FairscaleEngine:
     """fairscale ``FullyShardedDataParallel`` with flat parameters (CUDA only)."""
@@ -107,6 +115,10 @@ class FairscaleEngine:
         from fairseq_shard_plugin.engines import fairscale
 
         fairscale.shard_loaded_optimizer_state(optimizer)
+
+    def gathered(self, plan: ShardingPlan) -> AbstractContextManager[None]:
+        # validation.check_fairscale_engine refuses the options that would need it
+        raise NotImplementedError("generation in validation needs --shard-engine fsdp2")
 
 
 def build_engine(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
@@ -69,3 +72,29 @@ def apply_plan(
         _shard_unit(unit, mesh, vocabulary_mp_policy if use_vocabulary_policy else mp_policy,
                     policy)
     _shard_unit(plan.root, mesh, mp_policy, policy)
+
+
+@contextlib.contextmanager
+def gathered(plan: ShardingPlan) -> Iterator[None]:
+    """Every unit of ``plan`` gathered until exit and not freed after forwards, so that the
+    forward of any submodule runs without collectives.
+
+    Generation in validation (``--eval-bleu``) needs this: fairseq's sequence generator
+    calls the encoder and decoder directly, never the model, so the root unit (final layer
+    norms, positions) would stay sharded; and ranks decode different numbers of steps, so
+    per-layer all-gathers would not pair up across ranks. Costs one gathered model copy in
+    the compute dtype while it lasts.
+    """
+    units = (*plan.units, plan.root)
+    for unit in units:
+        for module in unit.modules:
+            module.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]
+            module.unshard()  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        for unit in units:
+            for module in unit.modules:
+                module.set_reshard_after_forward(  # type: ignore[operator]
+                    unit.reshard_after_forward, recurse=False)
+                module.reshard()  # type: ignore[operator]
