@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,25 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
+# how torch's weights_only unpickler names a type it refused, in its two messages
+_REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)"
+                             r"|allowlisted via `add_safe_globals`, but got <class '([^']+)'>")
+
+
+def describe_unreadable(filename: str | Path, error: BaseException) -> str:
+    """One line for a checkpoint ``torch.load(weights_only=True)`` could not read: a pickled
+    type outside the allow-list (named), or a damaged file."""
+    refused = _REFUSED_GLOBAL.search(str(error))
+    if refused:
+        name = refused.group(1) or refused.group(2)
+        return (f"{filename}: holds a pickled {name}, which the plugin does not load "
+                "(weights_only=True: unpickling it could run code); re-save the checkpoint "
+                "without it where it was written")
+    size = Path(filename).stat().st_size if Path(filename).exists() else 0
+    return (f"{filename}: unreadable checkpoint ({size} bytes; truncated or corrupted?): "
+            f"{_first_line(error)}")
+
+
 def describe_checkpoint_problem(
     filename: str, model_shapes: dict[str, torch.Size], error: BaseException
 ) -> str:
@@ -41,9 +61,8 @@ def describe_checkpoint_problem(
         state = torch.load(filename, map_location="cpu", weights_only=True, mmap=True)
         saved = state["model"]
     except Exception as read_error:  # any failure to read means the file is unreadable
-        size = Path(filename).stat().st_size if Path(filename).exists() else 0
-        return (f"{filename}: unreadable checkpoint ({size} bytes; truncated or corrupted?): "
-                f"{_first_line(read_error)}; resume from another file with --restore-file")
+        return (f"{describe_unreadable(filename, read_error)}; resume from another file with "
+                "--restore-file")
     shapes = {name: tuple(tensor.shape) for name, tensor in saved.items()}
     problem = describe_shape_mismatch(filename, shapes, model_shapes)
     if problem:

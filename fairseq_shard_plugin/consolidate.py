@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fairseq_shard_plugin.atomic_files import write_atomically
+from fairseq_shard_plugin.checkpoint_errors import describe_unreadable
 from fairseq_shard_plugin.checkpoint_integrity import corruption_message, damaged_zip_entries
 from fairseq_shard_plugin.checkpoint_sharded import (
     SHARDED_KEY,
@@ -52,11 +53,7 @@ def read_full_state(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
-        size = path.stat().st_size
-        raise ConsolidateError(
-            f"{path}: unreadable checkpoint ({size} bytes; truncated or corrupted?): "
-            f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
-        ) from error
+        raise ConsolidateError(describe_unreadable(path, error)) from error
     damaged = [] if is_sharded_index(state) else damaged_zip_entries(path)
     if damaged:
         raise ConsolidateError(corruption_message(path, damaged))

@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import subprocess
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 import pytest
@@ -250,6 +250,17 @@ def test_consolidate_refuses_a_damaged_checkpoint_in_one_line(
     message = str(stopped.value.code)
     assert "\n" not in message and message.startswith("fairseq-shard-consolidate: error: ")
     assert named in message and ("truncated" in message or "CRC-32" in message)
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_consolidate_names_a_pickled_type_it_will_not_load(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "checkpoint_last.pt"
+    torch.save({"model": {}, "cfg": None, "note": PurePosixPath("x")}, checkpoint)
+    with pytest.raises(SystemExit) as stopped:
+        consolidate.main([str(checkpoint), str(tmp_path / "out.pt")])
+    message = str(stopped.value.code)
+    assert "\n" not in message
+    assert f"{checkpoint}: holds a pickled pathlib.PurePosixPath, which the plugin " in message
     assert not (tmp_path / "out.pt").exists()
 
 

@@ -7,6 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -109,6 +110,11 @@ def test_checkpoint_is_a_standard_full_checkpoint(
     assert type(embedding) is torch.Tensor and embedding.shape == (608, 64)
     exp_avg = state["last_optimizer_state"]["state"][0]["exp_avg"]
     assert type(exp_avg) is torch.Tensor and exp_avg.shape[0] > 1
+    # --eval-bleu: fairseq's metrics state holds BLEU's n-gram counts as numpy arrays,
+    # which the plugin's weights_only allow-list admits (resume and generate read them)
+    bleu_counts = [meter for meter in state["extra_state"]["metrics"]["valid"]
+                   if meter[1] == "_bleu_counts"]
+    assert bleu_counts and isinstance(bleu_counts[0][3]["sum"], np.ndarray)
     generated = subprocess.run(
         [tool("fairseq-generate"), str(corpus), "--path", str(save_dir / "checkpoint_last.pt"),
          "--user-dir", str(PLUGIN_DIR), "--cpu", "--beam", "2", "--max-tokens", "1000",
