@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -73,6 +74,11 @@ def training_args(
     ]
 
 
+# Called while ranks run with the processes and each one's output so far (e.g. to signal
+# one of them at a given point of the training).
+Watcher = Callable[[list[subprocess.Popen], list[str]], None]
+
+
 @dataclass
 class RunResult:
     returncode: int
@@ -102,6 +108,7 @@ def run_training(
     check: bool = True,
     stock_backend: str = "legacy_ddp",
     cuda: bool = False,
+    watch: Watcher | None = None,
 ) -> RunResult:
     """Train on ``nproc`` ranks: the plugin with fully_sharded, or stock fairseq.
 
@@ -128,7 +135,7 @@ def run_training(
         if measure_dir:
             env["FAIRSEQ_TRAIN"] = " ".join(["fairseq-shard-measure-train", *measure])
         command = [str(STOCK_LAUNCH), *args, "--ddp-backend", stock_backend]
-    returncode, output = start_ranks(command, nproc, env, timeout=timeout)
+    returncode, output = start_ranks(command, nproc, env, timeout=timeout, watch=watch)
     if check and returncode != 0:
         raise RuntimeError(f"training failed ({returncode}):\n{output[-6000:]}")
     memory = []
@@ -141,8 +148,14 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "G
                       "MASTER_ADDR", "MASTER_PORT")
 
 
+def _read_so_far(output: IO[bytes]) -> str:
+    return os.pread(output.fileno(), os.fstat(output.fileno()).st_size, 0).decode(
+        errors="replace")
+
+
 def wait_for_ranks(
-    ranks: list[subprocess.Popen], outputs: list[IO[bytes]], timeout: float, grace: float = 20
+    ranks: list[subprocess.Popen], outputs: list[IO[bytes]], timeout: float, grace: float = 20,
+    watch: Watcher | None = None,
 ) -> tuple[list[int], list[str]]:
     """Wait for every rank; once one fails, the others get ``grace`` seconds to finish
     (they may be blocked in a collective with it) before they are killed, as torchrun does.
@@ -151,6 +164,8 @@ def wait_for_ranks(
     while any(rank.poll() is None for rank in ranks) and time.monotonic() < deadline:
         if any(rank.returncode for rank in ranks):
             deadline = min(deadline, time.monotonic() + grace)
+        if watch is not None:
+            watch(ranks, [_read_so_far(output) for output in outputs])
         time.sleep(0.05)
     for rank in ranks:
         if rank.poll() is None:
@@ -165,7 +180,8 @@ def wait_for_ranks(
 
 
 def start_ranks(
-    command: list[str], nproc: int, env: dict[str, str], cwd: Path = REPO, timeout: float = 600
+    command: list[str], nproc: int, env: dict[str, str], cwd: Path = REPO, timeout: float = 600,
+    watch: Watcher | None = None,
 ) -> tuple[int, str]:
     """Run ``command`` as ``nproc`` ranks on this machine with the variables torchrun gives
     its workers (``TORCHRUN_VARIABLES``), but without torchrun's agent process, whose own
@@ -186,7 +202,7 @@ def start_ranks(
             MASTER_PORT=port))
         for rank, output in enumerate(outputs)
     ]
-    codes, texts = wait_for_ranks(ranks, outputs, timeout)
+    codes, texts = wait_for_ranks(ranks, outputs, timeout, watch=watch)
     return next((code for code in codes if code), 0), "".join(texts)
 
 

@@ -27,7 +27,8 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    with a one-line error before any process group or data is touched, and turns a
    checkpoint that cannot be loaded into a one-line error naming the file and the mismatch.
    Under ``--export-consolidated PATH`` it also runs, after training on rank 0, the export
-   of the final ``checkpoint_last.pt`` (fairseq's ``main`` has no end-of-training hook).
+   of the final ``checkpoint_last.pt`` (fairseq's ``main`` has no end-of-training hook),
+   unless a signal stopped the training (hook 9).
    ``fairseq-hydra-train`` imports ``common.user_dir`` inside ``main``, after this call:
    there the plugin's Hydra callback (``hydra_callback``) imports the plugin at job start.
 5. ``checkpoint_utils.save_checkpoint``: fairseq writes the first checkpoint name through
@@ -62,6 +63,14 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    under ``fairseq-hydra-train`` once the plugin's Hydra callback has imported it. The
    wrapper skips the plugin's own package when it is given as user dir; other user dirs go
    to fairseq's function.
+9. ``validate_and_save``: fairseq's training loop calls it on every rank after every
+   update to decide whether to validate, save and stop; nothing else runs there on all
+   ranks at once, and fairseq has no notion of a signal asking for a save. The wrapper
+   first asks the trainer's ``signal_stop`` (one all-reduce) whether any rank received a
+   ``--save-on-signal`` signal; if one did, every rank saves through fairseq's own
+   ``save_checkpoint`` (so ``checkpoint_last.pt`` and fairseq's other names are written as
+   usual) without validating, and the loop stops. Hook 4 then exits with 128 + the
+   signal's number instead of exporting.
 
 Signatures that differ between fairseq 0.12 and the nllb branch (extra keyword arguments of
 ``fsdp_enable_wrap``, ``save_checkpoint``, ``load_checkpoint_to_cpu``, ``Trainer.state_dict``
@@ -73,6 +82,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -91,13 +101,16 @@ from fairseq_shard_plugin.launch_env import apply_torchrun_environment
 from fairseq_shard_plugin.memory_metrics import MaxMeter
 from fairseq_shard_plugin.options import sharding_options
 from fairseq_shard_plugin.precision import untie_bf16_from_tpu
+from fairseq_shard_plugin.signal_stop import stopped_by
 from fairseq_shard_plugin.validation import (
     ShardingConfigError,
     check_sharded_config,
     is_sharded_run,
 )
 
-_HOOKED_NAMES = ("fsdp_enable_wrap", "fsdp_wrap", "Trainer")
+logger = logging.getLogger(__name__)
+
+_HOOKED_NAMES = ("fsdp_enable_wrap", "fsdp_wrap", "Trainer", "validate_and_save")
 _INSTALLED_MARK = "_fairseq_shard_plugin_installed"
 
 
@@ -146,13 +159,16 @@ class _TrainThenExport:
         global _export_follows_main
         _export_follows_main = True
         result = self.main(cfg, **kwargs)
+        signum = stopped_by()
+        if signum is not None:  # saved and stopped early (hook 9): not the final model
+            sys.exit(128 + signum)
         target = sharding_options(cfg.task).export_consolidated
         if target and cfg.distributed_training.distributed_rank == 0:
             from fairseq_shard_plugin.consolidate import export_consolidated
 
             last = f"checkpoint_last{cfg.checkpoint.checkpoint_suffix}.pt"
             written = export_consolidated(os.path.join(cfg.checkpoint.save_dir, last), target)
-            logging.getLogger(__name__).info(f"exported the final model to {written}")
+            logger.info(f"exported the final model to {written}")
         return result
 
 
@@ -289,6 +305,28 @@ def _importing_the_plugin_once(stock_import: Callable[..., Any]) -> Callable[...
     return import_user_module
 
 
+def _saving_on_signal(stock_validate_and_save: Callable[..., Any]) -> Callable[..., Any]:
+    def validate_and_save(cfg: Any, trainer: Any, task: Any, epoch_itr: Any,
+                          valid_subsets: Any, end_of_epoch: bool, *args: Any,
+                          **kwargs: Any) -> Any:
+        stop = getattr(trainer, "signal_stop", None)  # only the plugin's trainer has one
+        signum = stop.agreed(trainer.device) if stop is not None else None
+        if signum is None:
+            return stock_validate_and_save(cfg, trainer, task, epoch_itr, valid_subsets,
+                                           end_of_epoch, *args, **kwargs)
+        name, update = signal.Signals(signum).name, trainer.get_num_updates()
+        if cfg.checkpoint.no_save:
+            logger.warning(f"{name}: stopping after update {update}, not saving (--no-save)")
+        else:
+            logger.info(f"{name}: saving a checkpoint after update {update}, then stopping "
+                        f"(exit code {128 + signum}); the same command resumes from it")
+            checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, None)
+        return [None], True
+
+    validate_and_save.__wrapped__ = stock_validate_and_save  # type: ignore[attr-defined]
+    return validate_and_save
+
+
 def _train_modules() -> list[Any]:
     """``fairseq_cli.train``, and ``__main__`` when run as ``python -m fairseq_cli.train``."""
     modules = [train_cli]
@@ -315,6 +353,7 @@ def install() -> None:
         module.fsdp_enable_wrap = _no_fairscale_wrapping
         module.fsdp_wrap = _leave_unwrapped
         module.Trainer = _select_trainer(module.Trainer)
+        module.validate_and_save = _saving_on_signal(module.validate_and_save)
         setattr(module, _INSTALLED_MARK, True)
     fairseq_meters.MaxMeter = MaxMeter
     stock_load_cpu = getattr(checkpoint_utils, "torch_load_cpu", None)  # nllb branch only

@@ -94,6 +94,14 @@ class ShardingConfig(FairseqDataclass):
             "fairseq checkpoint (weights only) to this path, for fairseq-generate --path"
         },
     )
+    save_on_signal: str = field(
+        default="SIGUSR1,SIGTERM",
+        metadata={
+            "help": "signals (comma-separated, or none) on which every rank saves "
+            "checkpoint_last.pt after the current update and exits with 128 + the signal "
+            "number: Slurm's preemption SIGTERM, --signal=USR1@120 before a time limit"
+        },
+    )
     checkpoint_format: CHECKPOINT_FORMATS = field(  # type: ignore[valid-type]
         default="full",
         metadata={

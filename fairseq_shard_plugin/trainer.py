@@ -23,6 +23,7 @@ from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
 from torch.distributed.tensor.experimental import implicit_replication
 
+from fairseq_shard_plugin import signal_stop
 from fairseq_shard_plugin.checkpoint_errors import (
     CheckpointLoadError,
     describe_checkpoint_problem,
@@ -156,6 +157,9 @@ class ShardedTrainer(Trainer):
         )
         if self.offload and self._memory_probe is not None and self.device.type == "cpu":
             watch_offloaded_state(self._memory_probe, self._model.parameters())
+        # read after every update by integration hook 9 (save and stop on a signal)
+        self.signal_stop = signal_stop.install(
+            signal_stop.parse_signals(self.sharding_options.save_on_signal))
 
     # fairseq's is_fsdp branches call fairscale-only APIs (flat-parameter optimizer state,
     # DistributedFairseqModel's fairscale assertion, .cuda() in norm aggregation); each

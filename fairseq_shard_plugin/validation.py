@@ -7,6 +7,7 @@ from typing import Any
 
 from fairseq_shard_plugin.launch_env import launched_by_torchrun, ranks_per_node, uses_cuda
 from fairseq_shard_plugin.options import ShardingConfig, sharding_options
+from fairseq_shard_plugin.signal_stop import parse_signals
 
 
 class ShardingConfigError(ValueError):
@@ -73,6 +74,10 @@ def check_sharded_config(cfg: Any) -> None:
         world_size = (int(os.environ["WORLD_SIZE"]) if launched_by_torchrun()
                       else dist_cfg.distributed_world_size)
         shard_group_size(options, world_size)
+    try:
+        parse_signals(options.save_on_signal)
+    except ValueError as error:
+        raise ShardingConfigError(str(error)) from None
     if options.checkpoint_format == "sharded" and options.shard_engine != "fsdp2":
         raise ShardingConfigError(
             "--checkpoint-format sharded writes DTensor shards and needs --shard-engine fsdp2: "

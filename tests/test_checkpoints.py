@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
@@ -134,6 +135,33 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_losses(
     assert len(reference) == UPDATES
     assert crashes["after_save"].series("train_inner", "loss") == reference[:20]
     assert crashes["during_copy"].series("train_inner", "loss") == reference[20:30]
+
+
+def test_a_signal_to_one_rank_saves_on_all_and_the_resume_continues_exactly(
+    corpus: Path, tmp_path: Path, uninterrupted: tuple[RunResult, Path]
+) -> None:
+    """Slurm-style preemption: SIGUSR1 to rank 1 only, during update 4 or 5. Every rank
+    saves after the same update and exits with 128 + SIGUSR1; the same command resumes."""
+    sent: list[int] = []
+
+    def preempt_rank_1(ranks: list[subprocess.Popen], outputs: list[str]) -> None:
+        if not sent and '"num_updates": "4"' in outputs[0]:
+            os.kill(ranks[1].pid, signal.SIGUSR1)
+            sent.append(signal.SIGUSR1)
+
+    fairseq_args = args(corpus, tmp_path, updates=15)
+    stopped = run_training(fairseq_args, nproc=2, plugin=True, check=False, watch=preempt_rank_1)
+    assert stopped.returncode == 128 + signal.SIGUSR1, stopped.output[-3000:]
+    last = int(stopped.series("train_inner", "num_updates")[-1])
+    assert 4 <= last < 10  # stopped early, before the first interval checkpoint
+    # rank 0 logs; it got no signal itself, so the ranks agreed
+    assert f"SIGUSR1: saving a checkpoint after update {last}, then stopping" in stopped.output
+    assert saved_update(tmp_path / "checkpoint_last.pt") == last
+    resumed = run_training(fairseq_args, nproc=2, plugin=True)
+    assert resumed.series("train_inner", "num_updates") == [float(n) for n in range(last + 1, 16)]
+    reference = uninterrupted[0].series("train_inner", "loss")[:15]
+    losses = stopped.series("train_inner", "loss") + resumed.series("train_inner", "loss")
+    assert losses == reference
 
 
 def test_resume_in_a_later_epoch_reproduces_the_uninterrupted_losses(

@@ -27,6 +27,8 @@ REFUSED = {
     "--use-sharded-state": ["--use-sharded-state"],
     "torchrun --nproc_per_node 2": ["--distributed-world-size", "2"],
     "--base-layers": ["--base-layers", "1"],
+    "--save-on-signal: SIGFOO is not a signal": [
+        "--task", "sharded_translation", "--save-on-signal", "usr1,foo"],
 }
 UNKNOWN_ENGINE = ["--task", "sharded_translation", "--shard-engine", "deepspeed"]
 ONE_RANK = ["--no-save"]

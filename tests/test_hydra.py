@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from benchmarks.harness import (
     PLUGIN_DIR,
@@ -18,6 +20,7 @@ from benchmarks.harness import (
     run_like_srun,
     tool,
 )
+from fairseq_shard_plugin.options import ShardingConfig
 
 CONFIGS = REPO / "configs" / "nllb"
 
@@ -68,6 +71,14 @@ def test_dense_configs_compose(
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert f"_name: nllb_{config}" in completed.stdout
     assert "ddp_backend: fully_sharded" in completed.stdout
+
+
+@pytest.mark.parametrize("config", [*DENSE, "tiny"])
+def test_every_plugin_option_is_listed_in_the_configs(config: str) -> None:
+    """Keys absent from a config need Hydra's ``+`` to override: every config lists all."""
+    listed = OmegaConf.load(CONFIGS / f"{config}.yaml").task
+    options = {option.name for option in fields(ShardingConfig)}
+    assert options <= set(listed), options - set(listed)
 
 
 def test_unknown_engine_from_a_hydra_override_is_refused(corpus: Path, tmp_path: Path) -> None:
