@@ -13,6 +13,8 @@ from typing import Any, Optional
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
+from fairseq_shard_plugin.signal_stop import DEFAULT_SIGNALS
+
 SHARD_ENGINES = ChoiceEnum(["fsdp2", "fairscale"])
 SHARD_STRATEGIES = ChoiceEnum(["full", "hybrid"])
 CHECKPOINT_FORMATS = ChoiceEnum(["full", "sharded"])
@@ -95,7 +97,7 @@ class ShardingConfig(FairseqDataclass):
         },
     )
     save_on_signal: str = field(
-        default="SIGUSR1,SIGTERM",
+        default=DEFAULT_SIGNALS,
         metadata={
             "help": "signals (comma-separated, or none) on which every rank saves "
             "checkpoint_last.pt after the current update and exits with 128 + the signal "
