@@ -70,7 +70,7 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    ``--save-on-signal`` signal; if one did, every rank saves through fairseq's own
    ``save_checkpoint`` (so ``checkpoint_last.pt`` and fairseq's other names are written as
    usual) without validating, and the loop stops. Hook 4 then exits with 128 + the
-   signal's number instead of exporting.
+   signal's number instead of exporting. A signal during the last update changes nothing.
 
 Signatures that differ between fairseq 0.12 and the nllb branch (extra keyword arguments of
 ``fsdp_enable_wrap``, ``save_checkpoint``, ``load_checkpoint_to_cpu``, ``Trainer.state_dict``
@@ -311,10 +311,16 @@ def _saving_on_signal(stock_validate_and_save: Callable[..., Any]) -> Callable[.
                           **kwargs: Any) -> Any:
         stop = getattr(trainer, "signal_stop", None)  # only the plugin's trainer has one
         signum = stop.agreed(trainer.device) if stop is not None else None
+        update = trainer.get_num_updates()
+        if signum is not None and update >= (cfg.optimization.max_update or float("inf")):
+            # the signal came during the last update: fairseq's own end follows (a final
+            # save, exit code 0); a resume would otherwise train one update past the end
+            stop.stopped_by = None
+            signum = None
         if signum is None:
             return stock_validate_and_save(cfg, trainer, task, epoch_itr, valid_subsets,
                                            end_of_epoch, *args, **kwargs)
-        name, update = signal.Signals(signum).name, trainer.get_num_updates()
+        name = signal.Signals(signum).name
         if cfg.checkpoint.no_save:
             logger.warning(f"{name}: stopping after update {update}, not saving (--no-save)")
         else:
