@@ -1,15 +1,20 @@
 """Unworkable configurations stop with one clear line before anything is written.
 
-Each case is a real single-process ``fairseq-train``; the module starts them all at once
-(the time of a refusal is process start-up, which two cores can overlap).
+A few cases are real single-process ``fairseq-train`` runs, started all at once (the time
+of a refusal is process start-up, which two cores can overlap); they show where the check
+runs and what the user sees. The other options are checked in this process by the same
+function (``validation.check_sharded_config``) on fairseq's own parse of the flags.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
+from fairseq import options
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from benchmarks.harness import (
     PLUGIN_DIR,
@@ -18,19 +23,23 @@ from benchmarks.harness import (
     training_args,
     transformer_args,
 )
+from fairseq_shard_plugin.validation import ShardingConfigError, check_sharded_config
 
 TINY = transformer_args(dim=32, ffn=64, layers=1)
+# launched: the line each prints names what to change
 REFUSED = {
     "--amp": ["--amp"],
+    "torchrun --nproc_per_node 2": ["--distributed-world-size", "2"],
+}
+# checked in this process: the message names the flag
+CHECKED = {
     "--store-ema": ["--store-ema"],
     "--zero-sharding": ["--zero-sharding", "os"],
     "--use-sharded-state": ["--use-sharded-state"],
-    "torchrun --nproc_per_node 2": ["--distributed-world-size", "2"],
     "--base-layers": ["--base-layers", "1"],
     "--save-on-signal: SIGFOO is not a signal": [
         "--task", "sharded_translation", "--save-on-signal", "usr1,foo"],
 }
-UNKNOWN_ENGINE = ["--task", "sharded_translation", "--shard-engine", "deepspeed"]
 ONE_RANK = ["--no-save"]
 
 
@@ -39,7 +48,7 @@ def launches(
     corpus: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """Every case's finished ``fairseq-train`` and its --save-dir, all run concurrently."""
-    cases = dict(REFUSED, unknown_engine=UNKNOWN_ENGINE, one_rank=ONE_RANK, fairscale_shards=[])
+    cases = dict(REFUSED, one_rank=ONE_RANK, fairscale_shards=[])
     save_dirs = {name: tmp_path_factory.mktemp("refused") / "save" for name in cases}
     save_dirs["fairscale_shards"].mkdir()
     (save_dirs["fairscale_shards"] / "checkpoint_last-shard0.pt").write_bytes(b"stock run")
@@ -61,12 +70,27 @@ def test_refused_before_training_with_the_flag_named(
     assert not save_dir.exists()
 
 
+def parse_sharded(corpus: Path, *flags: str) -> object:
+    """fairseq-train's configuration for ``flags``, parsed by fairseq as the CLI does."""
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(corpus), *TINY, "--cpu", "--optimizer", "adam", "--ddp-backend", "fully_sharded",
+        *flags])
+    return convert_namespace_to_omegaconf(args)
+
+
+@pytest.mark.parametrize("named", list(CHECKED))
+def test_unworkable_options_are_named_in_one_line(corpus: Path, named: str) -> None:
+    with pytest.raises(ShardingConfigError, match=re.escape(named)) as refused:
+        check_sharded_config(parse_sharded(corpus, *CHECKED[named]))
+    assert "\n" not in str(refused.value)
+
+
 def test_unknown_engine_is_refused_by_the_flag_parser(
-    launches: dict[str, tuple[subprocess.CompletedProcess, Path]],
+    corpus: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    completed, _ = launches["unknown_engine"]
-    assert completed.returncode != 0
-    assert "--shard-engine: invalid choice: 'deepspeed'" in completed.stderr
+    with pytest.raises(SystemExit):
+        parse_sharded(corpus, "--task", "sharded_translation", "--shard-engine", "deepspeed")
+    assert "--shard-engine: invalid choice: 'deepspeed'" in capsys.readouterr().err
 
 
 def test_single_process_without_torchrun_trains_on_a_one_rank_group(
