@@ -21,6 +21,7 @@ setup(
             "fairseq-shard-synthetic-data=fairseq_shard_plugin.synthetic_corpus:main",
             "fairseq-shard-measure-train=fairseq_shard_plugin.measured_run:main",
             "fairseq-shard-consolidate=fairseq_shard_plugin.consolidate:main",
+            "fairseq-shard-verify=fairseq_shard_plugin.verify:main",
             "fairseq-shard-estimate=fairseq_shard_plugin.estimate:main",
         ],
     },

@@ -32,9 +32,13 @@ from benchmarks.harness import (
     tool,
     training_args,
 )
-from fairseq_shard_plugin import consolidate
+from fairseq_shard_plugin import consolidate, verify
 from fairseq_shard_plugin.atomic_files import remove_partial_files, write_atomically
-from fairseq_shard_plugin.checkpoint_sharded import SHARDS_DIR, remove_unreferenced_shards
+from fairseq_shard_plugin.checkpoint_sharded import (
+    SHARDS_DIR,
+    remove_unreferenced_shards,
+    shard_directory,
+)
 
 from tiny_training import SHARDED, TINY, reshard
 
@@ -280,6 +284,33 @@ def test_consolidate_names_a_pickled_type_it_will_not_load(tmp_path: Path) -> No
     assert "\n" not in message
     assert f"{checkpoint}: holds a pickled pathlib.PurePosixPath, which the plugin " in message
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_verify_tells_damaged_checkpoints_from_intact_ones(
+    uninterrupted: tuple[RunResult, Path], crashes: dict, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """fairseq-shard-verify on copies of a full and a sharded save dir, a few files damaged."""
+    full, sharded = tmp_path / "full", tmp_path / "sharded"
+    shutil.copytree(uninterrupted[1], full)
+    shutil.copytree(crashes["save_dir"], sharded)
+    flip_middle_byte(full / "checkpoint_1_20.pt")
+    whole = (full / "checkpoint_1_30.pt").read_bytes()
+    (full / "checkpoint_1_30.pt").write_bytes(whole[: len(whole) // 3])
+    index = torch.load(sharded / "checkpoint_1_30.pt", weights_only=True)
+    flip_middle_byte(next(shard_directory(sharded / "checkpoint_1_30.pt", index).glob("*.distcp")))
+    with pytest.raises(SystemExit) as stopped:
+        verify.main([str(full), str(sharded)])
+    assert stopped.value.code == 1
+    out = capsys.readouterr().out
+    assert f"{full / 'checkpoint_1_20.pt'}: corrupted checkpoint: archive/" in out
+    assert f"{full / 'checkpoint_1_30.pt'}: unreadable checkpoint (" in out
+    assert f"{full / 'checkpoint_1_40.pt'}: ok (full, update 40, epoch 1)" in out
+    assert f"{sharded / 'checkpoint_1_30.pt'}: corrupted checkpoint: " in out
+    # checkpoint_best.pt is an index of the same update-30 shards: damaged with them
+    assert f"{sharded / 'checkpoint_best.pt'}: corrupted checkpoint: " in out
+    assert f"{sharded / 'checkpoint_last.pt'}: ok (sharded, update 20, epoch 1)" in out
+    assert out.strip().splitlines()[-1] == "4 of 11 checkpoints cannot be resumed from", out
 
 
 # ------------------------------------------------- --checkpoint-format sharded (DCP shards)
