@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from fairseq_shard_plugin.checkpoint_integrity import RESUME_HINT
+
 
 class CheckpointLoadError(RuntimeError):
     """A checkpoint that cannot be loaded; the message names the file and the mismatch."""
@@ -61,8 +63,7 @@ def describe_checkpoint_problem(
         state = torch.load(filename, map_location="cpu", weights_only=True, mmap=True)
         saved = state["model"]
     except Exception as read_error:  # any failure to read means the file is unreadable
-        return (f"{describe_unreadable(filename, read_error)}; resume from another file with "
-                "--restore-file")
+        return f"{describe_unreadable(filename, read_error)}; {RESUME_HINT}"
     shapes = {name: tuple(tensor.shape) for name, tensor in saved.items()}
     problem = describe_shape_mismatch(filename, shapes, model_shapes)
     if problem:

@@ -23,6 +23,9 @@ from typing import Any
 import torch.distributed as dist
 
 _CHUNK = 16 << 20
+# What every refusal of a damaged checkpoint ends with.
+RESUME_HINT = ("resume from an intact checkpoint with --restore-file (fairseq-shard-verify "
+               "SAVE_DIR lists them)")
 
 
 def file_crc32(path: Path) -> int:
@@ -96,5 +99,4 @@ def corruption_message(checkpoint: str | Path, damaged: list[str]) -> str:
     """One line naming the checkpoint and its first damaged part (zip entry or shard file)."""
     more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
     return (f"{checkpoint}: corrupted checkpoint: {damaged[0]}{more} fails its CRC-32 check "
-            "(its bytes changed after it was saved); resume from another checkpoint with "
-            "--restore-file")
+            f"(its bytes changed after it was saved); {RESUME_HINT}")

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from fairseq_shard_plugin.checkpoint_integrity import (
+    RESUME_HINT,
     corruption_message,
     mismatched_shard_files,
     shard_checksums,
@@ -174,23 +175,21 @@ def read_shard_metadata(
     directory = shard_directory(index_file, index)
     if not directory.is_dir():
         raise ShardedCheckpointError(
-            f"{index_file}: its shard directory {directory} is missing; resume from another "
-            "checkpoint with --restore-file"
+            f"{index_file}: its shard directory {directory} is missing; {RESUME_HINT}"
         )
     try:
         metadata = FileSystemReader(directory).read_metadata()
     except Exception as error:
         raise ShardedCheckpointError(
             f"{index_file}: shard directory {directory} has no readable .metadata "
-            f"(interrupted or corrupted save?): {type(error).__name__}; resume from another "
-            "checkpoint with --restore-file"
+            f"(interrupted or corrupted save?): {type(error).__name__}; {RESUME_HINT}"
         ) from error
     damaged = _short_shard_files(directory, metadata)
     if damaged:
         name, size, needed = damaged[0]
         raise ShardedCheckpointError(
             f"{index_file}: shard file {directory / name} is truncated or missing ({size} of "
-            f"{needed} bytes); resume from another checkpoint with --restore-file"
+            f"{needed} bytes); {RESUME_HINT}"
         )
     corrupted = mismatched_shard_files(directory, index[SHARDED_KEY].get("crc32", {}),
                                        collective)
@@ -202,7 +201,7 @@ def read_shard_metadata(
     if missing:
         raise ShardedCheckpointError(
             f"{index_file}: shard directory {directory} lacks {len(missing)} tensors "
-            f"(e.g. {missing[0]}); resume from another checkpoint with --restore-file"
+            f"(e.g. {missing[0]}); {RESUME_HINT}"
         )
     return entries
 
