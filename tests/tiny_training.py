@@ -19,7 +19,7 @@ REFERENCE_UPDATES = 50
 RESHARD_HELPER = REPO / "tests" / "helpers" / "reshard_checkpoints.py"
 SHARDED = ("--checkpoint-format", "sharded")
 # Validation that also translates (BLEU, and rank 0's first hypothesis of every batch logged).
-EVAL_BLEU = ("--eval-bleu", "--eval-bleu-args", '{"beam": 2, "max_len_b": 20}',
+EVAL_BLEU = ("--eval-bleu", "--eval-bleu-args", '{"beam": 1, "max_len_b": 10}',
              "--eval-bleu-detok", "space", "--eval-bleu-print-samples")
 
 
