@@ -168,6 +168,7 @@ def check_fairscale_engine(cfg: Any) -> None:
     """``--shard-engine fairscale`` runs on CUDA streams, without the FSDP2-only features."""
     if getattr(cfg.task, "shard_engine", None) != "fairscale":
         return
+    generating = generating_validation_option(cfg.task)
     unsupported = {
         "--cpu-offload": cfg.distributed_training.cpu_offload,
         "--shard-strategy hybrid": getattr(cfg.task, "shard_strategy", "full") == "hybrid",
@@ -177,8 +178,7 @@ def check_fairscale_engine(cfg: Any) -> None:
         "--criterion chunked_label_smoothed_cross_entropy":
             getattr(cfg.criterion, "_name", None) == "chunked_label_smoothed_cross_entropy",
         # generation calls submodules directly: the plugin gathers FSDP2 units around it
-        f"{generating_validation_option(cfg.task)} (generation in validation)":
-            generating_validation_option(cfg.task) is not None,
+        f"{generating} (generation in validation)": generating is not None,
     }
     for flag, given in unsupported.items():
         if given:
