@@ -311,6 +311,9 @@ def test_verify_tells_damaged_checkpoints_from_intact_ones(
     assert f"{sharded / 'checkpoint_best.pt'}: corrupted checkpoint: " in out
     assert f"{sharded / 'checkpoint_last.pt'}: ok (sharded, update 20, epoch 1)" in out
     assert out.strip().splitlines()[-1] == "4 of 11 checkpoints cannot be resumed from", out
+    # the newest intact one skips the damaged update-30 shards
+    verify.main(["--newest", str(sharded)])
+    assert capsys.readouterr().out == f"{sharded / 'checkpoint_last.pt'}\n"
 
 
 # ------------------------------------------------- --checkpoint-format sharded (DCP shards)
