@@ -11,7 +11,7 @@ import contextlib
 import inspect
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import chain
 from typing import Any
 
@@ -155,6 +155,7 @@ class ShardedTrainer(Trainer):
         self._memory_probe = (
             None if self.sharding_options.no_memory_report else StepMemoryProbe(self.device)
         )
+        self._measuring = False  # inside _measured (see there)
         if self.offload and self._memory_probe is not None and self.device.type == "cpu":
             watch_offloaded_state(self._memory_probe, self._model.parameters())
         # read after every update by integration hook 9 (save and stop on a signal)
@@ -305,12 +306,17 @@ class ShardedTrainer(Trainer):
         return extra_state
 
     def valid_step(self, sample: Any, *args: Any, **kwargs: Any) -> Any:
-        """fairseq's validation step; when it also generates (``--eval-bleu`` and the like),
-        with the whole model gathered around it (see :func:`.engines.fsdp2.gathered`)."""
-        if generating_validation_option(self.cfg.task) is None:
-            return super().valid_step(sample, *args, **kwargs)
-        with self.engine.gathered(self.sharding_plan):
-            return super().valid_step(sample, *args, **kwargs)
+        """fairseq's validation step, measured like a training step (the validation log
+        line carries its peak); when it also generates (``--eval-bleu`` and the like), with
+        the whole model gathered around it (see :func:`.engines.fsdp2.gathered`)."""
+        generates = generating_validation_option(self.cfg.task) is not None
+
+        def step() -> Any:
+            with (self.engine.gathered(self.sharding_plan) if generates
+                  else contextlib.nullcontext()):
+                return super(ShardedTrainer, self).valid_step(sample, *args, **kwargs)
+
+        return self._measured(step)
 
     def train_step(self, samples: Any, raise_oom: bool = False) -> Any:
         """fairseq's step, measured. After a FloatingPointError (non-finite gradients, or
@@ -318,27 +324,33 @@ class ShardedTrainer(Trainer):
         whose module hooks fail on torch 2 with a bare StopIteration; the original error
         is raised instead, so the log ends with what went wrong."""
         try:
-            return self._measured_train_step(samples, raise_oom)
+            return self._measured(lambda: super(ShardedTrainer, self).train_step(
+                samples, raise_oom), log_free_memory=True)
         except StopIteration as error:
             if isinstance(error.__context__, FloatingPointError):
                 raise error.__context__ from None
             raise
 
-    def _measured_train_step(self, samples: Any, raise_oom: bool) -> Any:
-        if self._memory_probe is None:
-            return super().train_step(samples, raise_oom)
+    def _measured(self, step: Callable[[], Any], log_free_memory: bool = False) -> Any:
+        """Run ``step`` and log its peak memory (max over ranks; a collective). fairseq's
+        validation retries a batch after an out-of-memory error by calling valid_step
+        again: that retry counts in the step already measured, with no second collective."""
+        if self._memory_probe is None or self._measuring:
+            return step()
+        self._measuring = True
         if self.offload:  # model state lives on the host: not accelerator memory
             buffers = chain(self._model.buffers(), self._criterion.buffers())
             self._memory_probe.start(buffers, host=self._model_state_tensors())
         else:
             self._memory_probe.start(self._resident_tensors())
         try:
-            logging_output = super().train_step(samples, raise_oom)
+            logging_output = step()
         finally:
             step_memory = self._memory_probe.stop()
+            self._measuring = False
         log_step_memory(step_memory, storage_bytes(self._model_state_tensors()), self.device,
                         offloaded=self.offload)
-        if self._cuda_environment is not None and step_memory is not None:
+        if log_free_memory and self._cuda_environment is not None and step_memory is not None:
             metrics.log_scalar("gb_free", self._cuda_environment.total_memory_in_GB
                                - step_memory.peak_allocated / 1024**3,
                                priority=1500, round=1, weight=0)

@@ -89,6 +89,10 @@ def test_every_log_line_carries_peak_memory(sharded_tiny_run: tuple[RunResult, P
     for entry in sharded.logs["train_inner"]:
         assert float(entry["peak_mem_gb"]) > 0
         assert 0 < float(entry["state_mem_gb"]) <= float(entry["peak_mem_gb"])
+    # validation lines too (here with --eval-bleu: the whole model gathered to translate)
+    assert sharded.logs["valid"]
+    for entry in sharded.logs["valid"]:
+        assert 0 < float(entry["valid_state_mem_gb"]) <= float(entry["valid_peak_mem_gb"])
 
 
 def test_plugin_with_another_ddp_backend_behaves_as_stock(
