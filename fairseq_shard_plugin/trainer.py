@@ -337,12 +337,12 @@ class ShardedTrainer(Trainer):
         again: that retry counts in the step already measured, with no second collective."""
         if self._memory_probe is None or self._measuring:
             return step()
-        self._measuring = True
         if self.offload:  # model state lives on the host: not accelerator memory
             buffers = chain(self._model.buffers(), self._criterion.buffers())
             self._memory_probe.start(buffers, host=self._model_state_tensors())
         else:
             self._memory_probe.start(self._resident_tensors())
+        self._measuring = True
         try:
             logging_output = step()
         finally:
