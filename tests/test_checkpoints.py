@@ -40,7 +40,7 @@ from fairseq_shard_plugin.checkpoint_sharded import (
     shard_directory,
 )
 
-from tiny_training import SHARDED, TINY, reshard
+from tiny_training import SHARDED, TINY, reshard, sharded_config
 
 UPDATES = 40
 # 128 tokens per rank: an epoch is longer than 40 updates, so the crash resumes below land
@@ -475,14 +475,9 @@ def test_checkpoints_reload_exactly_from_2_to_4_to_1_ranks_and_bad_ones_change_n
 def test_unworkable_checkpoint_options_are_refused_with_the_flag_named(
     corpus: Path, flags: list[str], named: str
 ) -> None:
-    from fairseq import options
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-
     from fairseq_shard_plugin.validation import ShardingConfigError, check_sharded_config
 
-    parser = options.get_training_parser()
-    parsed = options.parse_args_and_arch(parser, [
-        str(corpus), *TINY, "--task", "sharded_translation", "--user-dir", str(PLUGIN_DIR),
-        "--ddp-backend", "fully_sharded", "--cpu", *flags])
+    cfg = sharded_config(corpus, "--task", "sharded_translation", "--user-dir", str(PLUGIN_DIR),
+                         "--cpu", *flags)
     with pytest.raises(ShardingConfigError, match=named):
-        check_sharded_config(convert_namespace_to_omegaconf(parsed))
+        check_sharded_config(cfg)

@@ -13,8 +13,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from fairseq import options
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from benchmarks.harness import (
     PLUGIN_DIR,
@@ -24,6 +22,8 @@ from benchmarks.harness import (
     transformer_args,
 )
 from fairseq_shard_plugin.validation import ShardingConfigError, check_sharded_config
+
+from tiny_training import sharded_config
 
 TINY = transformer_args(dim=32, ffn=64, layers=1)
 # launched: the line each prints names what to change
@@ -70,18 +70,11 @@ def test_refused_before_training_with_the_flag_named(
     assert not save_dir.exists()
 
 
-def parse_sharded(corpus: Path, *flags: str) -> object:
-    """fairseq-train's configuration for ``flags``, parsed by fairseq as the CLI does."""
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        str(corpus), *TINY, "--cpu", "--optimizer", "adam", "--ddp-backend", "fully_sharded",
-        *flags])
-    return convert_namespace_to_omegaconf(args)
-
-
 @pytest.mark.parametrize("named", list(CHECKED))
 def test_unworkable_options_are_named_in_one_line(corpus: Path, named: str) -> None:
     with pytest.raises(ShardingConfigError, match=re.escape(named)) as refused:
-        check_sharded_config(parse_sharded(corpus, *CHECKED[named]))
+        check_sharded_config(sharded_config(corpus, "--cpu", "--optimizer", "adam",
+                                            *CHECKED[named]))
     assert "\n" not in str(refused.value)
 
 
@@ -89,7 +82,7 @@ def test_unknown_engine_is_refused_by_the_flag_parser(
     corpus: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit):
-        parse_sharded(corpus, "--task", "sharded_translation", "--shard-engine", "deepspeed")
+        sharded_config(corpus, "--task", "sharded_translation", "--shard-engine", "deepspeed")
     assert "--shard-engine: invalid choice: 'deepspeed'" in capsys.readouterr().err
 
 

@@ -15,8 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from fairseq import options
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from benchmarks.harness import (
     PLUGIN_DIR,
@@ -29,7 +27,7 @@ from benchmarks.harness import (
 from fairseq_shard_plugin.safe_loading import allow_fairseq_checkpoint_types
 from fairseq_shard_plugin.validation import ShardingConfigError, check_fairscale_engine
 
-from tiny_training import TINY
+from tiny_training import TINY, sharded_config
 
 VARIANTS = {
     "fp32": [],
@@ -145,11 +143,10 @@ def test_sharded_step_matches_the_unsharded_model(
                 "--cpu was given: use --shard-engine fsdp2"),
 ])
 def test_fsdp2_only_flags_and_cpu_are_named(corpus: Path, flags: list[str], named: str) -> None:
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        str(corpus), *TINY, "--task", "sharded_translation", "--shard-engine", "fairscale",
-        "--ddp-backend", "fully_sharded", "--optimizer", "adam", *flags])
+    cfg = sharded_config(corpus, "--task", "sharded_translation", "--shard-engine", "fairscale",
+                         "--optimizer", "adam", *flags)
     with pytest.raises(ShardingConfigError, match=re.escape(named)):
-        check_fairscale_engine(convert_namespace_to_omegaconf(args))
+        check_fairscale_engine(cfg)
 
 
 def test_refused_without_cuda_before_training(corpus: Path, tmp_path: Path) -> None:

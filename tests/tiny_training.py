@@ -10,6 +10,10 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
+
+from fairseq import options
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from benchmarks.harness import REPO, start_ranks, transformer_args
 
@@ -21,6 +25,14 @@ SHARDED = ("--checkpoint-format", "sharded")
 # Validation that also translates (BLEU, and rank 0's first hypothesis of every batch logged).
 EVAL_BLEU = ("--eval-bleu", "--eval-bleu-args", '{"beam": 1, "max_len_b": 10}',
              "--eval-bleu-detok", "space", "--eval-bleu-print-samples")
+
+
+def sharded_config(corpus: Path, *flags: str) -> Any:
+    """fairseq-train's configuration of a sharded TINY run with ``flags``, parsed by fairseq
+    as its command line does; no process is started (for checks of the configuration)."""
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(corpus), *TINY, "--ddp-backend", "fully_sharded", *flags])
+    return convert_namespace_to_omegaconf(args)
 
 
 def relative_difference(a: list[float], b: list[float]) -> float:
