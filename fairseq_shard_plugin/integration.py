@@ -100,6 +100,7 @@ from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError
 from fairseq_shard_plugin.launch_env import apply_torchrun_environment
 from fairseq_shard_plugin.memory_metrics import MaxMeter
 from fairseq_shard_plugin.options import sharding_options
+from fairseq_shard_plugin.out_of_memory import StepOutOfMemoryError
 from fairseq_shard_plugin.precision import untie_bf16_from_tpu
 from fairseq_shard_plugin.signal_stop import stopped_by
 from fairseq_shard_plugin.validation import (
@@ -181,7 +182,7 @@ def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[
         try:
             check_sharded_config(cfg)
             return stock_call_main(cfg, _TrainThenExport(main), **kwargs)
-        except (ShardingConfigError, CheckpointLoadError) as error:
+        except (ShardingConfigError, CheckpointLoadError, StepOutOfMemoryError) as error:
             sys.exit(f"fairseq-shard-plugin: error: {error}")
 
     call_main.__wrapped__ = stock_call_main  # type: ignore[attr-defined]

@@ -47,6 +47,7 @@ from fairseq_shard_plugin.local_shards import LocalShards
 from fairseq_shard_plugin.memory import StepMemoryProbe, storage_bytes, watch_offloaded_state
 from fairseq_shard_plugin.memory_metrics import log_step_memory
 from fairseq_shard_plugin.options import sharding_options
+from fairseq_shard_plugin.out_of_memory import stop_on_out_of_memory
 from fairseq_shard_plugin.precision import (
     ShardedMasterOptimizer,
     cast_buffers,
@@ -155,7 +156,6 @@ class ShardedTrainer(Trainer):
         self._memory_probe = (
             None if self.sharding_options.no_memory_report else StepMemoryProbe(self.device)
         )
-        self._measuring = False  # inside _measured (see there)
         if self.offload and self._memory_probe is not None and self.device.type == "cpu":
             watch_offloaded_state(self._memory_probe, self._model.parameters())
         # read after every update by integration hook 9 (save and stop on a signal)
@@ -305,49 +305,55 @@ class ShardedTrainer(Trainer):
             logger.info(converted)
         return extra_state
 
-    def valid_step(self, sample: Any, *args: Any, **kwargs: Any) -> Any:
+    def valid_step(self, sample: Any, raise_oom: bool = False) -> Any:
         """fairseq's validation step, measured like a training step (the validation log
         line carries its peak); when it also generates (``--eval-bleu`` and the like), with
-        the whole model gathered around it (see :func:`.engines.fsdp2.gathered`)."""
+        the whole model gathered around it (see :func:`.engines.fsdp2.gathered`). Running
+        out of memory stops the run (:mod:`.out_of_memory`): fairseq's retry of the batch
+        on the one rank that failed would pair its collectives with the others' next ones."""
         generates = generating_validation_option(self.cfg.task) is not None
 
         def step() -> Any:
             with (self.engine.gathered(self.sharding_plan) if generates
                   else contextlib.nullcontext()):
-                return super(ShardedTrainer, self).valid_step(sample, *args, **kwargs)
+                return super(ShardedTrainer, self).valid_step(sample, raise_oom=True)
 
-        return self._measured(step)
+        with stop_on_out_of_memory(self.cfg, self.data_parallel_rank, self.get_num_updates(),
+                                   validation=True):
+            return self._measured(step)
 
     def train_step(self, samples: Any, raise_oom: bool = False) -> Any:
-        """fairseq's step, measured. After a FloatingPointError (non-finite gradients, or
-        fp16's --min-loss-scale reached) fairseq reruns the step under its NanDetector,
-        whose module hooks fail on torch 2 with a bare StopIteration; the original error
-        is raised instead, so the log ends with what went wrong."""
+        """fairseq's step, measured.
+
+        Running out of memory stops the run with :class:`.StepOutOfMemoryError`: fairseq
+        would drop the batch on the failed rank only while the others wait in the step's
+        collectives (see :mod:`.out_of_memory`). After a FloatingPointError (non-finite
+        gradients, or fp16's --min-loss-scale reached) fairseq reruns the step under its
+        NanDetector, whose module hooks fail on torch 2 with a bare StopIteration; the
+        original error is raised instead, so the log ends with what went wrong."""
         try:
-            return self._measured(lambda: super(ShardedTrainer, self).train_step(
-                samples, raise_oom), log_free_memory=True)
+            with stop_on_out_of_memory(self.cfg, self.data_parallel_rank,
+                                       self.get_num_updates()):
+                return self._measured(lambda: super(ShardedTrainer, self).train_step(
+                    samples, raise_oom=True), log_free_memory=True)
         except StopIteration as error:
             if isinstance(error.__context__, FloatingPointError):
                 raise error.__context__ from None
             raise
 
     def _measured(self, step: Callable[[], Any], log_free_memory: bool = False) -> Any:
-        """Run ``step`` and log its peak memory (max over ranks; a collective). fairseq's
-        validation retries a batch after an out-of-memory error by calling valid_step
-        again: that retry counts in the step already measured, with no second collective."""
-        if self._memory_probe is None or self._measuring:
+        """Run ``step`` and log its peak memory (max over ranks; a collective)."""
+        if self._memory_probe is None:
             return step()
         if self.offload:  # model state lives on the host: not accelerator memory
             buffers = chain(self._model.buffers(), self._criterion.buffers())
             self._memory_probe.start(buffers, host=self._model_state_tensors())
         else:
             self._memory_probe.start(self._resident_tensors())
-        self._measuring = True
         try:
             logging_output = step()
         finally:
             step_memory = self._memory_probe.stop()
-            self._measuring = False
         log_step_memory(step_memory, storage_bytes(self._model_state_tensors()), self.device,
                         offloaded=self.offload)
         if log_free_memory and self._cuda_environment is not None and step_memory is not None:

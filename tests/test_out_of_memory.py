@@ -1,0 +1,61 @@
+"""A rank that runs out of memory stops the run with one line, instead of a hang.
+
+fairseq would drop the batch on that rank alone and go on, while the other ranks wait in
+the step's collectives for it (see ``fairseq_shard_plugin.out_of_memory``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.harness import PLUGIN_DIR, REPO, start_ranks, training_args
+from fairseq_shard_plugin.out_of_memory import smaller_step_advice
+
+from tiny_training import TINY, sharded_config
+
+OOM_HELPER = REPO / "tests" / "helpers" / "train_with_oom.py"
+STOPPED_WITHIN_S = 120  # a hang would run until this timeout
+
+
+@pytest.mark.parametrize(("phase", "where", "advice"), [
+    ("train", "in training update 4", "lower --max-tokens (512 now)"),
+    ("valid", "in validation after update 3", "lower --max-tokens-valid (512 now)"),
+])
+def test_out_of_memory_on_one_rank_stops_every_rank_with_one_line(
+    corpus: Path, tmp_path: Path, phase: str, where: str, advice: str
+) -> None:
+    command = [sys.executable, str(OOM_HELPER), *training_args(corpus, tmp_path, 6), *TINY,
+               "--task", "sharded_translation", "--user-dir", str(PLUGIN_DIR),
+               "--ddp-backend", "fully_sharded", "--validate-interval-updates", "3"]
+    env = dict(os.environ, INJECT_UPDATE="3", INJECT_PHASE=phase, OMP_NUM_THREADS="1")
+    returncode, output = start_ranks(command, 2, env, timeout=STOPPED_WITHIN_S)
+    assert returncode == 1, output[-3000:]  # every rank exited by itself: none hung
+    errors = [line for line in output.splitlines()
+              if line.startswith("fairseq-shard-plugin: error: ")]
+    assert len(errors) == 1, output[-3000:]
+    assert f"rank 1 ran out of memory {where} (CUDA out of memory." in errors[0]
+    assert advice in errors[0]
+    assert "attempting to recover from OOM" not in output
+    assert "retrying batch" not in output
+
+
+def test_the_advice_names_only_settings_that_are_not_on(corpus: Path) -> None:
+    plain = smaller_step_advice(sharded_config(
+        corpus, "--cpu", "--optimizer", "adam", "--task", "sharded_translation",
+        "--criterion", "label_smoothed_cross_entropy", "--max-tokens", "4096"), False)
+    assert "--max-tokens (4096 now)" in plain
+    for setting in ("--checkpoint-activations", "chunked_label_smoothed_cross_entropy",
+                    "--cpu-offload"):
+        assert setting in plain
+    lean = smaller_step_advice(sharded_config(
+        corpus, "--cpu", "--optimizer", "adam", "--task", "sharded_translation",
+        "--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
+        "--cpu-offload", "--max-tokens", "4096"), False)
+    for setting in ("--checkpoint-activations", "chunked_label_smoothed_cross_entropy",
+                    "--cpu-offload"):
+        assert setting not in lean
+    assert "--max-tokens (4096 now)" in lean
