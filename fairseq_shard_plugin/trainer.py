@@ -58,6 +58,7 @@ from fairseq_shard_plugin.validation import (
     ShardingConfigError,
     check_sharded_config,
     generating_validation_option,
+    ignored_fsdp_flags,
     shard_group_size,
 )
 from fairseq_shard_plugin.wrap_policy import build_plan
@@ -111,10 +112,17 @@ class ShardedTrainer(Trainer):
             )
         use_cuda = uses_cuda(cfg)
         ensure_process_group(cfg, use_cuda)
+        keep_all_gathered = bool(cfg.distributed_training.no_reshard_after_forward)
         self.sharding_plan = build_plan(
             model, self.sharding_options.keep_root_gathered, self.sharding_options.root_unit_only,
-            self.sharding_options.keep_vocabulary_gathered,
+            self.sharding_options.keep_vocabulary_gathered, keep_all_gathered,
         )
+        for flag in ignored_fsdp_flags(cfg):
+            logger.info(f"ignored under the plugin: {flag}")
+        if keep_all_gathered:
+            logger.info("--no-reshard-after-forward: every unit stays gathered from its forward "
+                        "to its backward (no all-gathers in backward; the whole model's "
+                        "gathered copy is live at the peak)")
         self.compute_dtype = compute_dtype(cfg.common)
         self.engine = build_engine(
             self.sharding_options.shard_engine, use_cuda, self.compute_dtype,

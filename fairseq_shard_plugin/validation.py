@@ -9,6 +9,9 @@ from fairseq_shard_plugin.launch_env import launched_by_torchrun, ranks_per_node
 from fairseq_shard_plugin.options import ShardingConfig, sharding_options
 from fairseq_shard_plugin.signal_stop import parse_signals
 
+# fairseq's default --min-params-to-wrap (a field of the transformer models' configs)
+DEFAULT_MIN_PARAMS_TO_WRAP = 100_000_000
+
 
 class ShardingConfigError(ValueError):
     """A configuration the plugin cannot train; the message says what to change."""
@@ -95,6 +98,11 @@ def check_sharded_config(cfg: Any) -> None:
             "plugin's checkpoint writes atomic: remove it (--checkpoint-format sharded makes "
             "saves fast instead: each rank writes only its shards)"
         )
+    if dist_cfg.fp32_reduce_scatter and options.reduce_in_16_bit:
+        raise ShardingConfigError(
+            "--fp32-reduce-scatter and --reduce-in-16-bit contradict each other: drop one "
+            "(gradients reduce in fp32 by default under the plugin)"
+        )
     if dist_cfg.use_sharded_state:
         raise ShardingConfigError(
             "--use-sharded-state is fairscale's checkpoint format: remove it (for per-rank "
@@ -120,6 +128,20 @@ def check_sharded_config(cfg: Any) -> None:
         )
     check_branch_options(cfg)
     check_fairscale_engine(cfg)
+
+
+def ignored_fsdp_flags(cfg: Any) -> list[str]:
+    """fairseq's fairscale-FSDP flags given to a sharded run that the plugin does not use,
+    each with why (recipes carry them, so they are logged, not refused)."""
+    ignored = []
+    wrap = getattr(cfg.model, "min_params_to_wrap", DEFAULT_MIN_PARAMS_TO_WRAP)
+    if wrap is not None and wrap != DEFAULT_MIN_PARAMS_TO_WRAP:
+        ignored.append("--min-params-to-wrap (every encoder and decoder layer is a unit, "
+                       "whatever its size)")
+    if cfg.distributed_training.not_fsdp_flatten_parameters:
+        ignored.append("--not-fsdp-flatten-parameters (fsdp2 keeps parameters unflattened; "
+                       "the fairscale engine always flattens)")
+    return ignored
 
 
 def check_branch_options(cfg: Any) -> None:

@@ -81,7 +81,7 @@ def _group_by_shared_parameters(
 
 def build_plan(
     model: nn.Module, keep_root_gathered: bool = False, root_unit_only: bool = False,
-    keep_vocabulary_gathered: bool = False,
+    keep_vocabulary_gathered: bool = False, keep_all_gathered: bool = False,
 ) -> ShardingPlan:
     """Return the sharding plan for a fairseq model.
 
@@ -90,7 +90,12 @@ def build_plan(
     ``keep_vocabulary_gathered`` leaves the vocabulary units gathered after forward: they
     are used several times (encoder and decoder embeddings, output projection), and each
     use of a resharded unit is another all-gather, in forward and again in backward.
+    ``keep_all_gathered`` (fairseq's ``--no-reshard-after-forward``, "ZeRO-2") leaves every
+    unit gathered from its forward until its backward: no all-gathers in backward, the whole
+    model's gathered copy at the peak.
     """
+    keep_root_gathered = keep_root_gathered or keep_all_gathered
+    keep_vocabulary_gathered = keep_vocabulary_gathered or keep_all_gathered
     root = ShardUnit("<root>", (model,), reshard_after_forward=not keep_root_gathered)
     if root_unit_only:
         return ShardingPlan(units=(), root=root)
@@ -103,7 +108,8 @@ def build_plan(
             continue
         seen.add(id(module))
         if isinstance(module, LAYER_CLASSES):
-            layers.append(ShardUnit(name, (module,)))
+            layers.append(ShardUnit(name, (module,),
+                                    reshard_after_forward=not keep_all_gathered))
             layer_prefixes.append(name + ".")
         elif _is_vocabulary_module(name, module) and any(
             p.requires_grad for p in module.parameters()

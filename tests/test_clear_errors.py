@@ -21,7 +21,11 @@ from benchmarks.harness import (
     training_args,
     transformer_args,
 )
-from fairseq_shard_plugin.validation import ShardingConfigError, check_sharded_config
+from fairseq_shard_plugin.validation import (
+    ShardingConfigError,
+    check_sharded_config,
+    ignored_fsdp_flags,
+)
 
 from tiny_training import sharded_config
 
@@ -37,6 +41,8 @@ CHECKED = {
     "--zero-sharding": ["--zero-sharding", "os"],
     "--use-sharded-state": ["--use-sharded-state"],
     "--base-layers": ["--base-layers", "1"],
+    "--fp32-reduce-scatter and --reduce-in-16-bit": [
+        "--task", "sharded_translation", "--fp32-reduce-scatter", "--reduce-in-16-bit"],
     "--save-on-signal: SIGFOO is not a signal": [
         "--task", "sharded_translation", "--save-on-signal", "usr1,foo"],
 }
@@ -76,6 +82,18 @@ def test_unworkable_options_are_named_in_one_line(corpus: Path, named: str) -> N
         check_sharded_config(sharded_config(corpus, "--cpu", "--optimizer", "adam",
                                             *CHECKED[named]))
     assert "\n" not in str(refused.value)
+
+
+def test_stock_fsdp_flags_the_plugin_does_not_use_are_named(corpus: Path) -> None:
+    """Recipes carry fairseq's fairscale flags: the unused ones are logged, not refused."""
+    def ignored(*flags: str) -> list[str]:
+        return ignored_fsdp_flags(sharded_config(corpus, "--cpu", "--optimizer", "adam", *flags))
+
+    assert ignored() == []
+    assert ignored("--min-params-to-wrap", str(int(1e8))) == []  # the NLLB sweeps' value
+    named = ignored("--min-params-to-wrap", "0", "--not-fsdp-flatten-parameters")
+    assert [flag.split()[0] for flag in named] == ["--min-params-to-wrap",
+                                                   "--not-fsdp-flatten-parameters"]
 
 
 def test_unknown_engine_is_refused_by_the_flag_parser(

@@ -157,6 +157,26 @@ def test_vocabulary_kept_gathered_trains_as_when_resharded(
     assert len(run.series("train_inner", "loss")) == UPDATES
 
 
+def test_no_reshard_after_forward_keeps_units_gathered_and_trains_the_same(
+    corpus: Path, tmp_path: Path, sharded_tiny_run: tuple[RunResult, Path]
+) -> None:
+    """fairseq's --no-reshard-after-forward (ZeRO-2, in NLLB sweeps) is honoured, not
+    ignored: the same losses and norms, every step's peak higher by the gathered copies."""
+    args = training_args(corpus, tmp_path, UPDATES) + TINY + [
+        "--task", "sharded_translation", "--no-reshard-after-forward", "--no-save",
+        "--min-params-to-wrap", "0"]
+    run = run_training(args, nproc=2, plugin=True)
+    reference = sharded_tiny_run[0]
+    for key in ("loss", "gnorm"):
+        assert run.series("train_inner", key) == first(reference, key)
+    peaks = run.series("train_inner", "peak_mem_gb")
+    assert len(peaks) == UPDATES
+    assert all(kept > resharded for kept, resharded in zip(
+        peaks, first(reference, "peak_mem_gb"), strict=True))
+    assert "--no-reshard-after-forward: every unit stays gathered" in run.output
+    assert "ignored under the plugin: --min-params-to-wrap" in run.output
+
+
 def test_activation_checkpointing_inside_units_keeps_loss_and_lowers_peak(
     corpus: Path, tmp_path: Path, sharded_tiny_run: tuple[RunResult, Path]
 ) -> None:

@@ -113,6 +113,13 @@ def test_only_the_vocabulary_unit_stays_gathered_when_asked(corpus: Path) -> Non
     assert units[-1].vocabulary and build_plan(model).root.reshard_after_forward
 
 
+def test_every_unit_stays_gathered_without_reshard_after_forward(corpus: Path) -> None:
+    model = build_model(corpus, "translation", "transformer", SMALL)
+    plan = build_plan(model, keep_all_gathered=True)
+    assert len(plan.units) == len(build_plan(model).units)
+    assert not any(u.reshard_after_forward for u in (*plan.units, plan.root))
+
+
 def test_root_unit_only_reproduces_stock_plan(corpus: Path) -> None:
     model = build_model(corpus, "translation", "transformer", SMALL)
     plan = build_plan(model, keep_root_gathered=True, root_unit_only=True)
