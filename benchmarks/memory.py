@@ -72,6 +72,14 @@ CONFIGURATIONS = (
                   "+ --cpu-offload: shards, gradients and optimizer state on the host", None,
                   (*CHUNKED_LOSS, "--checkpoint-activations", "--cpu-offload")),
 )
+# measured only when named in --configurations (not part of the default table)
+OPTIONAL_CONFIGURATIONS = (
+    Configuration("plugin+zero2", "+ --no-reshard-after-forward: every unit gathered from "
+                  "its forward to its backward", None, (*STOCK_LOSS, "--no-reshard-after-forward")),
+    Configuration("plugin+chunked-loss+ac+zero2", "chunked loss, activation checkpointing and "
+                  "--no-reshard-after-forward", None,
+                  (*CHUNKED_LOSS, "--checkpoint-activations", "--no-reshard-after-forward")),
+)
 NLLB_600M = ("--arch", "nllb_dense_600m")
 
 
@@ -342,7 +350,7 @@ def host_memory() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     options = parse_options(argv)
-    by_name = {config.name: config for config in CONFIGURATIONS}
+    by_name = {c.name: c for c in (*CONFIGURATIONS, *OPTIONAL_CONFIGURATIONS)}
     if options.only:
         print(json.dumps(measure_one(options, by_name[options.only])))
         return

@@ -69,6 +69,8 @@ def parser() -> argparse.ArgumentParser:
                  "checkpoint-activations", "cpu-offload", "reduce-in-16-bit",
                  "reduce-vocabulary-in-16-bit"):
         p.add_argument("--" + flag, action="store_true")
+    p.add_argument("--no-reshard-after-forward", action="store_true",
+                   help="fairseq's flag: every unit stays gathered from forward to backward")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -110,6 +112,7 @@ def setup_from(options: argparse.Namespace) -> TrainingSetup:
         optimizer=options.optimizer, root_unit_only=options.root_unit_only,
         keep_root_gathered=options.keep_root_gathered,
         keep_vocabulary_gathered=options.keep_vocabulary_gathered,
+        keep_all_gathered=options.no_reshard_after_forward,
         chunked_loss=options.criterion == CHUNKED, loss_chunk_tokens=options.loss_chunk_tokens,
         checkpoint_activations=options.checkpoint_activations, cpu_offload=options.cpu_offload,
         reduce_in_16_bit=options.reduce_in_16_bit,
@@ -219,7 +222,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     results = comparison(shape, setup)
     best = helps_most(shape, setup)
     free_speedup = None
-    if not (setup.keep_vocabulary_gathered or setup.root_unit_only):
+    if not (setup.keep_vocabulary_gathered or setup.keep_all_gathered or setup.root_unit_only):
         gathered = estimate(shape, replace(setup, keep_vocabulary_gathered=True)).peak
         if gathered <= results["requested"].peak * 1.001:
             free_speedup = {"flag": "--keep-vocabulary-gathered", "peak_gib": gathered / GIB}

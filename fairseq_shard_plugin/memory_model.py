@@ -112,6 +112,7 @@ class TrainingSetup:
     root_unit_only: bool = False
     keep_root_gathered: bool = False
     keep_vocabulary_gathered: bool = False  # per-layer plans: no reshard after forward
+    keep_all_gathered: bool = False  # --no-reshard-after-forward: no unit reshards after forward
     chunked_loss: bool = False
     loss_chunk_tokens: int = 1024
     checkpoint_activations: bool = False
@@ -140,6 +141,7 @@ FEATURES: dict[str, tuple[str, dict]] = {
     "resharded root": ("drop --keep-root-gathered", {"keep_root_gathered": False}),
     "resharded vocabulary": ("drop --keep-vocabulary-gathered",
                              {"keep_vocabulary_gathered": False}),
+    "resharded units": ("drop --no-reshard-after-forward", {"keep_all_gathered": False}),
     "chunked loss": ("--criterion chunked_label_smoothed_cross_entropy",
                      {"chunked_loss": True}),
     "activation checkpointing": ("--checkpoint-activations", {"checkpoint_activations": True}),
@@ -248,8 +250,13 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
     # --keep-vocabulary-gathered: the vocabulary unit's 16-bit copy stays from the encoder
     # embedding's forward to the end of backward, so it is live wherever activations are
     # (the layers' backward below counts it already, as FSDP keeps it there anyway)
-    vocab_kept = b * vocab_unit if per_layer_units and setup.keep_vocabulary_gathered else 0.0
-    activations = saved + loss_saved + kept_gathered + vocab_kept
+    keep_all = per_layer_units and setup.keep_all_gathered
+    vocab_kept = (b * vocab_unit if per_layer_units and (setup.keep_vocabulary_gathered
+                                                        or keep_all) else 0.0)
+    # --no-reshard-after-forward: every layer's 16-bit copy too stays from its forward to its
+    # backward (then FSDP frees it), so all of them are live until the layers' backward
+    layers_kept = b * (p - vocab_unit) if keep_all else 0.0
+    activations = saved + loss_saved + kept_gathered + vocab_kept + layers_kept
     # gathered 16-bit copy of the vocabulary unit while it is used (unless already counted)
     vocab_gathered = 0.0 if kept_gathered or vocab_kept else b * vocab_unit
 
@@ -288,6 +295,9 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
         heads = max(shape.encoder_heads, shape.decoder_heads)
         attention_grads = 8 * heads * s * tokens if shape.attention_dropout else 0.0
         gathered = 2 * b * vocab_unit + 2 * b * layer_unit + recompute + attention_grads
+        if keep_all:  # at the first layer's backward every layer is still gathered, in
+            # place of the two counted (that layer and the next, prefetched)
+            gathered += layers_kept - 2 * b * layer_unit
         moments["layer backward"] = dict(
             state, temporaries=kept_gathered + gathered,
             **({"activations": saved} if saved >= other_grads else {"grads": other_grads}))

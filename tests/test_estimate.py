@@ -176,6 +176,10 @@ def test_estimate_matches_the_measured_1_3b_and_3_3b_steps(arch: str, results: s
     ("plugin+chunked-loss+ac",  # peak once the layers' backward has started
      ["--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
       "--loss-chunk-tokens", "16"]),
+    ("plugin+zero2", ["--no-reshard-after-forward"]),  # every layer gathered at the loss
+    ("plugin+chunked-loss+ac+zero2",  # every layer gathered at the first layer's backward
+     ["--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
+      "--loss-chunk-tokens", "16", "--no-reshard-after-forward"]),
     ("plugin+chunked-loss+ac+16-bit-vocab-reduce+vocab-gathered",  # the NLLB configs'
      ["--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
       "--loss-chunk-tokens", "16", "--reduce-vocabulary-in-16-bit",
