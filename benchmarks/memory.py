@@ -80,6 +80,7 @@ OPTIONAL_CONFIGURATIONS = (
                   "--no-reshard-after-forward", None,
                   (*CHUNKED_LOSS, "--checkpoint-activations", "--no-reshard-after-forward")),
 )
+DEFAULT_CONFIGURATIONS = ",".join(c.name for c in CONFIGURATIONS)
 NLLB_600M = ("--arch", "nllb_dense_600m")
 
 
@@ -326,7 +327,9 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
                         help="sgd (no state) measures models whose Adam state would not fit "
                         "this host's memory; under --cpu-offload the state is host-side only")
     parser.add_argument("--cuda", action="store_true", help="measure on the current CUDA device")
-    parser.add_argument("--configurations", default=",".join(c.name for c in CONFIGURATIONS))
+    parser.add_argument("--configurations", default=DEFAULT_CONFIGURATIONS,
+                        help="comma-separated; also: " + ", ".join(
+                            c.name for c in OPTIONAL_CONFIGURATIONS))
     parser.add_argument("--name", default="memory", help="results file stem")
     parser.add_argument("--only", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
@@ -359,8 +362,11 @@ def main(argv: list[str] | None = None) -> None:
         results.append(run_configuration(options, by_name[name]))
         if not results[-1].get("out_of_memory"):
             print(f"{name}: peak {results[-1]['peak_gib']:.2f} GiB per rank", flush=True)
+    selection = ([] if options.configurations == DEFAULT_CONFIGURATIONS
+                 else ["--configurations", options.configurations])
+    named = [] if options.name == "memory" else ["--name", options.name]
     command = "python -m benchmarks.memory " + " ".join(
-        a if " " not in a else f"'{a}'" for a in _forwarded(options))
+        a if " " not in a else f"'{a}'" for a in [*_forwarded(options), *selection, *named])
     device = "cuda" if options.cuda else "cpu"
     optimizer = "Adam" if options.optimizer == "adam" else "SGD (no optimizer state)"
     note = (f"GiB per rank, {options.tokens} tokens per rank, {options.precision} compute, "
