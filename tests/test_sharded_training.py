@@ -144,29 +144,19 @@ def test_chunked_criterion_on_the_sharded_tied_embedding_matches_stock(
                                first(stock_tiny_run, "gnorm")) <= 1e-3
 
 
-def test_vocabulary_kept_gathered_trains_as_when_resharded(
-    corpus: Path, tmp_path: Path, sharded_tiny_run: tuple[RunResult, Path]
-) -> None:
-    """--keep-vocabulary-gathered only saves all-gathers: the same losses and norms."""
-    args = training_args(corpus, tmp_path, UPDATES) + TINY + [
-        "--task", "sharded_translation", "--keep-vocabulary-gathered", "--no-save"]
-    run = run_training(args, nproc=2, plugin=True)
-    reference = sharded_tiny_run[0]
-    for key in ("loss", "gnorm"):
-        assert run.series("train_inner", key) == first(reference, key)
-    assert len(run.series("train_inner", "loss")) == UPDATES
-
-
 def test_no_reshard_after_forward_keeps_units_gathered_and_trains_the_same(
     corpus: Path, tmp_path: Path, sharded_tiny_run: tuple[RunResult, Path]
 ) -> None:
     """fairseq's --no-reshard-after-forward (ZeRO-2, in NLLB sweeps) is honoured, not
-    ignored: the same losses and norms, every step's peak higher by the gathered copies."""
+    ignored: the same losses and norms, every step's peak higher by the gathered copies,
+    and the checkpoint saved after validation (which leaves units gathered: no backward
+    follows) holds the same model. (Every unit here, the vocabulary unit included, takes
+    the path --keep-vocabulary-gathered takes for that unit alone.)"""
     args = training_args(corpus, tmp_path, UPDATES) + TINY + [
-        "--task", "sharded_translation", "--no-reshard-after-forward", "--no-save",
+        "--task", "sharded_translation", "--no-reshard-after-forward",
         "--min-params-to-wrap", "0"]
     run = run_training(args, nproc=2, plugin=True)
-    reference = sharded_tiny_run[0]
+    reference, reference_dir = sharded_tiny_run
     for key in ("loss", "gnorm"):
         assert run.series("train_inner", key) == first(reference, key)
     peaks = run.series("train_inner", "peak_mem_gb")
@@ -175,6 +165,10 @@ def test_no_reshard_after_forward_keeps_units_gathered_and_trains_the_same(
         peaks, first(reference, "peak_mem_gb"), strict=True))
     assert "--no-reshard-after-forward: every unit stays gathered" in run.output
     assert "ignored under the plugin: --min-params-to-wrap" in run.output
+    saved, expected = (torch.load(d / "checkpoint1.pt", weights_only=True)["model"]
+                       for d in (tmp_path, reference_dir))
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[name], expected[name]) for name in saved)
 
 
 def test_activation_checkpointing_inside_units_keeps_loss_and_lowers_peak(
