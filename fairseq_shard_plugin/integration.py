@@ -99,7 +99,7 @@ from fairseq_shard_plugin.atomic_files import copy_atomically
 from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError
 from fairseq_shard_plugin.launch_env import apply_torchrun_environment
 from fairseq_shard_plugin.memory_metrics import MaxMeter
-from fairseq_shard_plugin.options import sharding_options
+from fairseq_shard_plugin.options import options_given, sharding_options
 from fairseq_shard_plugin.out_of_memory import StepOutOfMemoryError
 from fairseq_shard_plugin.precision import untie_bf16_from_tpu
 from fairseq_shard_plugin.signal_stop import stopped_by
@@ -177,6 +177,12 @@ def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[
     def call_main(cfg: Any, main: Callable[..., Any], **kwargs: Any) -> Any:
         apply_torchrun_environment(cfg)
         if not is_sharded_run(cfg):
+            unused = options_given(cfg.task)
+            if unused:
+                logger.warning(
+                    f"{', '.join(unused)}: the plugin's options take effect only with "
+                    f"--ddp-backend fully_sharded (this run: "
+                    f"{cfg.distributed_training.ddp_backend})")
             return stock_call_main(cfg, main, **kwargs)
         untie_bf16_from_tpu(cfg)
         try:

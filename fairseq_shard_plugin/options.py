@@ -125,6 +125,13 @@ def sharding_options(task_cfg: Any) -> "ShardingConfig":
     return ShardingConfig(**values)
 
 
+def options_given(task_cfg: Any) -> list[str]:
+    """The sharding options set to other than their defaults, as flags."""
+    given, defaults = sharding_options(task_cfg), ShardingConfig()
+    return ["--" + option.name.replace("_", "-") for option in fields(ShardingConfig)
+            if getattr(given, option.name) != getattr(defaults, option.name)]
+
+
 def add_sharding_args(parser: Any) -> None:
     """Add the sharding options to an argparse-configured task's parser."""
     gen_parser_from_dataclass(parser, ShardingConfig())

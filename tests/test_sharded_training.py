@@ -99,10 +99,14 @@ def test_plugin_with_another_ddp_backend_behaves_as_stock(
     corpus: Path, tmp_path: Path, stock_tiny_run: RunResult
 ) -> None:
     args = training_args(corpus, tmp_path, UPDATES) + TINY + [
-        "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "legacy_ddp"]
+        "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "legacy_ddp",
+        "--task", "sharded_translation", "--keep-vocabulary-gathered"]
     run = run_training(args, nproc=2, plugin=False)
     assert run.series("train_inner", "loss") == first(stock_tiny_run, "loss")
     assert "peak_mem_gb" not in run.logs["train_inner"][0]
+    # an option of the plugin that cannot act here is named, not silently dropped
+    assert ("--keep-vocabulary-gathered: the plugin's options take effect only with "
+            "--ddp-backend fully_sharded (this run: legacy_ddp)") in run.output
 
 
 def test_checkpoint_is_a_standard_full_checkpoint(
