@@ -11,6 +11,7 @@ so neither resume nor ``--keep-interval-updates`` ever picks them.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections.abc import Callable
@@ -35,8 +36,44 @@ def fsync_directory(directory: Path) -> None:
         os.close(descriptor)
 
 
+class WriteError(OSError):
+    """A file that could not be written (a full disk, a quota, permissions); the message
+    names it and says that what was under its name is unchanged."""
+
+
+def os_error_behind(error: BaseException) -> OSError | None:
+    """The operating system's error behind ``error``, if any: torch's writers and DCP
+    re-raise a failed write as their own errors (DCP keeps each rank's in ``failures``,
+    as (exception, stack) pairs)."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError):
+            return current
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                failure = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(failure, BaseException):
+                    pending.append(failure)
+        pending.extend((current.__cause__, current.__context__))
+    return None
+
+
+def describe_os_error(error: OSError) -> str:
+    """``No space left on device (ENOSPC)`` and the like."""
+    name = errno.errorcode.get(error.errno or 0)
+    return f"{error.strerror or error}" + (f" ({name})" if name else "")
+
+
 def write_atomically(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
-    """Call ``write(file)`` on a temporary file, then move it to ``path`` in one step."""
+    """Call ``write(file)`` on a temporary file, then move it to ``path`` in one step.
+
+    A write the system refuses raises :class:`WriteError` (the temporary file removed)."""
     path = Path(path)
     temporary = partial_name(path)
     try:
@@ -45,9 +82,13 @@ def write_atomically(path: str | Path, write: Callable[[BinaryIO], None]) -> Non
             out.flush()
             os.fsync(out.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         temporary.unlink(missing_ok=True)
-        raise
+        cause = os_error_behind(error)
+        if cause is None or isinstance(error, WriteError) or not isinstance(error, Exception):
+            raise
+        raise WriteError(f"could not write {path}: {describe_os_error(cause)}; "
+                         f"{path.name} is unchanged") from error
     fsync_directory(path.parent)
 
 

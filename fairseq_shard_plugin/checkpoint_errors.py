@@ -9,11 +9,23 @@ from typing import Any
 
 import torch
 
+from fairseq_shard_plugin.atomic_files import WriteError
 from fairseq_shard_plugin.checkpoint_integrity import RESUME_HINT
 
 
 class CheckpointLoadError(RuntimeError):
     """A checkpoint that cannot be loaded; the message names the file and the mismatch."""
+
+
+class CheckpointWriteError(WriteError):
+    """A checkpoint save the system refused (a full disk, say); says how to go on."""
+
+
+def save_failure(error: WriteError, save_dir: str) -> CheckpointWriteError:
+    """``error`` with what to do: free space, then resume from the intact checkpoints."""
+    return CheckpointWriteError(
+        f"{error}. Free space in {save_dir} and run the same command again: it resumes "
+        "from checkpoint_last.pt (fairseq-shard-verify checks what is there)")
 
 
 def state_dict_shapes(module: torch.nn.Module) -> dict[str, torch.Size]:

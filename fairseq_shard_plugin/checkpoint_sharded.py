@@ -34,6 +34,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from fairseq_shard_plugin.atomic_files import WriteError, describe_os_error, os_error_behind
 from fairseq_shard_plugin.checkpoint_integrity import (
     RESUME_HINT,
     corruption_message,
@@ -121,7 +122,17 @@ def save_sharded(state: dict[str, Any], save_dir: str | Path, num_updates: int) 
     save_dir = Path(save_dir)
     skeleton, tensors = split_tensors(state)
     relative = _new_shard_dir(save_dir, num_updates)
-    dcp.save(tensors, checkpoint_id=save_dir / relative)
+    try:
+        dcp.save(tensors, checkpoint_id=save_dir / relative)
+    except (Exception, CheckpointException) as error:  # (a BaseException) on every rank
+        cause = os_error_behind(error)
+        if cause is None:
+            raise
+        shutil.rmtree(save_dir / relative, ignore_errors=True)  # no index refers to it yet
+        raise WriteError(
+            f"could not write the shards of update {num_updates} to {save_dir / relative}: "
+            f"{describe_os_error(cause)}; removed them, the checkpoints saved before are "
+            "unchanged") from error
     skeleton[SHARDED_KEY] = {
         "dir": relative,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,

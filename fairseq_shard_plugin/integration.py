@@ -95,8 +95,8 @@ import fairseq.utils as fairseq_utils
 import fairseq_cli.train as train_cli
 from fairseq.file_io import PathManager
 
-from fairseq_shard_plugin.atomic_files import copy_atomically
-from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError
+from fairseq_shard_plugin.atomic_files import WriteError, copy_atomically
+from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError, save_failure
 from fairseq_shard_plugin.launch_env import apply_torchrun_environment
 from fairseq_shard_plugin.memory_metrics import MaxMeter
 from fairseq_shard_plugin.options import options_given, sharding_options
@@ -188,7 +188,8 @@ def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[
         try:
             check_sharded_config(cfg)
             return stock_call_main(cfg, _TrainThenExport(main), **kwargs)
-        except (ShardingConfigError, CheckpointLoadError, StepOutOfMemoryError) as error:
+        except (ShardingConfigError, CheckpointLoadError, StepOutOfMemoryError,
+                WriteError) as error:
             sys.exit(f"fairseq-shard-plugin: error: {error}")
 
     call_main.__wrapped__ = stock_call_main  # type: ignore[attr-defined]
@@ -223,14 +224,18 @@ def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
         if not getattr(trainer, "writes_checkpoints_atomically", False):
             return stock_save(cfg, trainer, epoch_itr, val_loss, *args, **kwargs)
         gathers_before = trainer.state_dict_calls
-        with _atomic_checkpoint_copies():
-            saved = stock_save(cfg, trainer, epoch_itr, val_loss, *args, **kwargs)
         saving_rank = trainer.should_save_checkpoint_on_current_rank
-        if not saving_rank and not cfg.no_save and trainer.state_dict_calls == gathers_before:
-            # Building the state is collective (gathers, or a DCP save): fairseq 0.12 has
-            # the other ranks call ``state_dict()`` too; the nllb branch returns on them
-            # first, which would leave the saving rank alone in the collective.
-            trainer.state_dict()
+        try:  # a refused write (full disk) ends the run in one line that says what to do
+            with _atomic_checkpoint_copies():
+                saved = stock_save(cfg, trainer, epoch_itr, val_loss, *args, **kwargs)
+            if (not saving_rank and not cfg.no_save
+                    and trainer.state_dict_calls == gathers_before):
+                # Building the state is collective (gathers, or a DCP save): fairseq 0.12
+                # has the other ranks call ``state_dict()`` too; the nllb branch returns on
+                # them first, which would leave the saving rank alone in the collective.
+                trainer.state_dict()
+        except WriteError as error:
+            raise save_failure(error, cfg.save_dir) from error
         if saving_rank and not cfg.no_save:
             trainer.after_checkpoint_save()
         return saved

@@ -16,6 +16,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
@@ -29,6 +30,7 @@ from benchmarks.harness import (
     free_port,
     parse_logs,
     run_training,
+    start_ranks,
     tool,
     training_args,
 )
@@ -48,6 +50,7 @@ UPDATES = 40
 # resumes in epoch 2 (see resumable_batches.py for why stock fairseq is not exact there).
 MAX_TOKENS = 128
 CRASH_HELPER = REPO / "tests" / "helpers" / "crash_training.py"
+FULL_DISK_HELPER = REPO / "tests" / "helpers" / "train_with_full_disk.py"
 
 
 def args(corpus: Path, save_dir: Path, *extra: str, updates: int = UPDATES) -> list[str]:
@@ -194,6 +197,33 @@ def test_an_interrupted_write_leaves_the_old_file_and_is_cleaned_up(tmp_path: Pa
     leftover.write_bytes(b"half")
     assert remove_partial_files(tmp_path) == [leftover]
     assert not leftover.exists() and target.exists()
+
+
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
+def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_saved_checkpoints(
+    corpus: Path, tmp_path: Path, checkpoint_format: str
+) -> None:
+    """The save at update 6 fails (the disk filled after update 4; see the helper): every
+    rank stops instead of waiting for the failed one, the line says what to do, and the
+    update-3 checkpoints are intact with nothing half-written beside them."""
+    command = [sys.executable, str(FULL_DISK_HELPER),
+               *training_args(corpus, tmp_path, 6), *TINY, "--task", "sharded_translation",
+               "--save-interval-updates", "3", "--checkpoint-format", checkpoint_format,
+               "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded"]
+    env = dict(os.environ, FULL_AFTER_UPDATE="4", FILE_LIMIT=str(512 * 1024),
+               OMP_NUM_THREADS="1")
+    returncode, output = start_ranks(command, 2, env, timeout=120)
+    assert returncode == 1, output[-3000:]
+    errors = [line for line in output.splitlines()
+              if line.startswith("fairseq-shard-plugin: error: could not write ")]
+    assert errors and "File too large (EFBIG)" in errors[0], output[-3000:]
+    assert f"Free space in {tmp_path} and run the same command again" in errors[0]
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+    assert names == ["checkpoint_1_3.pt", "checkpoint_best.pt", "checkpoint_last.pt"]
+    assert saved_update(tmp_path / "checkpoint_last.pt") == 3
+    assert all(verify.check(tmp_path / name).intact for name in names)
+    if checkpoint_format == "sharded":  # the failed save's shards are removed
+        assert len(list((tmp_path / "checkpoint_shards").iterdir())) == 1
 
 
 # ------------------------------------------------------------ consolidated export
