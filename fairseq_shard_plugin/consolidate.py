@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fairseq_shard_plugin.atomic_files import write_atomically
+from fairseq_shard_plugin.atomic_files import WriteError, describe_os_error, write_atomically
 from fairseq_shard_plugin.checkpoint_errors import describe_unreadable
 from fairseq_shard_plugin.checkpoint_integrity import corruption_message, damaged_zip_entries
 from fairseq_shard_plugin.checkpoint_sharded import (
@@ -85,7 +85,11 @@ def export_consolidated(
     """Write the inference checkpoint of ``source`` to ``destination`` (atomically)."""
     state = inference_state(read_full_state(resolve_checkpoint(source)), dtype)
     destination = Path(destination)
-    destination.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise WriteError(f"could not create the directory {destination.parent}: "
+                         f"{describe_os_error(error)}") from error
     write_atomically(destination, lambda out: torch.save(state, out))
     return destination
 
@@ -106,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         written = export_consolidated(args.source, args.out, _DTYPES[args.dtype])
-    except ConsolidateError as error:
+    except (ConsolidateError, WriteError) as error:
         sys.exit(f"fairseq-shard-consolidate: error: {error}")
     print(f"wrote {written}")
 

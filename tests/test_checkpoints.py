@@ -305,6 +305,18 @@ def test_consolidate_refuses_a_damaged_checkpoint_in_one_line(
     assert not (tmp_path / "out.pt").exists()
 
 
+def test_consolidate_names_a_destination_it_cannot_write(
+    uninterrupted: tuple[RunResult, Path]
+) -> None:
+    save_dir = uninterrupted[1]
+    inside_a_file = save_dir / "checkpoint_last.pt" / "model.pt"
+    with pytest.raises(SystemExit) as stopped:
+        consolidate.main([str(save_dir), str(inside_a_file)])
+    message = str(stopped.value.code)
+    assert message == ("fairseq-shard-consolidate: error: could not create the directory "
+                       f"{save_dir / 'checkpoint_last.pt'}: File exists (EEXIST)")
+
+
 def test_consolidate_names_a_pickled_type_it_will_not_load(tmp_path: Path) -> None:
     checkpoint = tmp_path / "checkpoint_last.pt"
     torch.save({"model": {}, "cfg": None, "note": PurePosixPath("x")}, checkpoint)
