@@ -27,6 +27,7 @@ from fairseq_shard_plugin.checkpoint_sharded import (
     saved_shapes,
     tensor_paths,
 )
+from fairseq_shard_plugin.full_state import share_tied_tensors
 from fairseq_shard_plugin.options import sharding_options
 from fairseq_shard_plugin.stock_optimizer_state import adopt_stock_optimizer_state
 
@@ -60,7 +61,9 @@ def checkpoint_state(trainer: Any, stock_state: Callable[[], dict[str, Any]]) ->
     if sharding_options(trainer.cfg.task).checkpoint_format == "sharded":
         return save_sharded(stock_state(), trainer.cfg.checkpoint.save_dir,
                             trainer.get_num_updates())
-    return trainer.engine.full_state(stock_state(), trainer.optimizer.optimizer)
+    state = stock_state()
+    state["model"] = share_tied_tensors(state["model"], trainer.model)
+    return trainer.engine.full_state(state, trainer.optimizer.optimizer)
 
 
 def after_save(trainer: Any) -> None:

@@ -71,11 +71,17 @@ def read_full_state(path: Path) -> dict[str, Any]:
 def inference_state(state: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
     """The checkpoint without optimizer state; floating weights cast to ``dtype`` if given."""
     exported = {key: value for key, value in state.items() if key != "last_optimizer_state"}
-    exported["model"] = {
-        name: (tensor.to(dtype) if dtype is not None and tensor.is_floating_point()
-               else tensor).clone()
-        for name, tensor in state["model"].items()
-    }
+    converted: dict[tuple, torch.Tensor] = {}  # tied weights (one tensor) stay one tensor
+
+    def convert(tensor: torch.Tensor) -> torch.Tensor:
+        key = (tensor.untyped_storage().data_ptr() or id(tensor), tensor.storage_offset(),
+               tuple(tensor.shape), tensor.stride())
+        if key not in converted:
+            converted[key] = (tensor.to(dtype) if dtype is not None
+                              and tensor.is_floating_point() else tensor).clone()
+        return converted[key]
+
+    exported["model"] = {name: convert(tensor) for name, tensor in state["model"].items()}
     return exported
 
 

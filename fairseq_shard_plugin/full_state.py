@@ -8,21 +8,45 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
-def gather_full_state(state: Any) -> Any:
+def gather_full_state(state: Any, _gathered: dict[int, torch.Tensor] | None = None) -> Any:
     """Replace every DTensor in a nested state by its full tensor on CPU.
 
-    A collective: every rank must call it on the same structure, in the same order.
+    A DTensor found under several names (a tied embedding and output projection) is
+    gathered once and all its names get the same tensor, so a checkpoint stores it once,
+    as fairseq's own checkpoints do. A collective: every rank must call it on the same
+    structure, in the same order.
     """
+    gathered = {} if _gathered is None else _gathered
     if isinstance(state, DTensor):
-        if state.device.type != state.device_mesh.device_type:
-            # --cpu-offload on GPUs: CPU shards, gathered over the GPU mesh's NCCL group
-            state = state.to(state.device_mesh.device_type)
-        return state.full_tensor().cpu()
+        if id(state) not in gathered:
+            local = state
+            if local.device.type != local.device_mesh.device_type:
+                # --cpu-offload on GPUs: CPU shards, gathered over the GPU mesh's NCCL group
+                local = local.to(local.device_mesh.device_type)
+            gathered[id(state)] = local.full_tensor().cpu()
+        return gathered[id(state)]
     if isinstance(state, dict):
-        return type(state)((key, gather_full_state(value)) for key, value in state.items())
+        return type(state)((key, gather_full_state(value, gathered))
+                           for key, value in state.items())
     if isinstance(state, (list, tuple)):
-        return type(state)(gather_full_state(value) for value in state)
+        return type(state)(gather_full_state(value, gathered) for value in state)
     return state
+
+
+def share_tied_tensors(model_state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """``model_state`` with every name of a tied parameter holding the same tensor object.
+
+    ``state_dict()`` detaches each name's tensor separately, so a tied embedding and output
+    projection arrive as three objects; given one, :func:`gather_full_state` gathers it
+    once and the checkpoint stores it once. Decided from the model's structure, the same on
+    every rank."""
+    first_name: dict[int, str] = {}
+    shared = dict(model_state)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        canonical = first_name.setdefault(id(param), name)
+        if canonical != name and name in shared and canonical in shared:
+            shared[name] = shared[canonical]
+    return shared
 
 
 def shard_optimizer_state_like_params(optimizer: torch.optim.Optimizer) -> None:

@@ -39,6 +39,7 @@ from fairseq_shard_plugin.checkpoint_files import (
     verify_full_checkpoint,
 )
 from fairseq_shard_plugin.checkpoint_sharded import ShardedCheckpointError
+from fairseq_shard_plugin.checkpoint_space import full_state_bytes, space_report
 from fairseq_shard_plugin.data_position import convert_position, record_ranks
 from fairseq_shard_plugin.engines import build_engine
 from fairseq_shard_plugin.integration import export_follows_training, loading_into_trainer
@@ -124,10 +125,10 @@ class ShardedTrainer(Trainer):
                         "to its backward (no all-gathers in backward; the whole model's "
                         "gathered copy is live at the peak)")
         self.compute_dtype = compute_dtype(cfg.common)
+        self.shard_group_size = shard_group_size(self.sharding_options, dist.get_world_size())
         self.engine = build_engine(
             self.sharding_options.shard_engine, use_cuda, self.compute_dtype,
-            self.sharding_options.reduce_in_16_bit, cfg.model,
-            shard_group_size(self.sharding_options, dist.get_world_size()),
+            self.sharding_options.reduce_in_16_bit, cfg.model, self.shard_group_size,
             bool(cfg.distributed_training.cpu_offload),
             self.sharding_options.reduce_vocabulary_in_16_bit,
         )
@@ -166,6 +167,7 @@ class ShardedTrainer(Trainer):
         )
         if self.offload and self._memory_probe is not None and self.device.type == "cpu":
             watch_offloaded_state(self._memory_probe, self._model.parameters())
+        self._space_reported = False  # see _report_checkpoint_space
         # read after every update by integration hook 9 (save and stop on a signal)
         self.signal_stop = signal_stop.install(
             signal_stop.parse_signals(self.sharding_options.save_on_signal))
@@ -342,12 +344,34 @@ class ShardedTrainer(Trainer):
         try:
             with stop_on_out_of_memory(self.cfg, self.data_parallel_rank,
                                        self.get_num_updates()):
-                return self._measured(lambda: super(ShardedTrainer, self).train_step(
+                logging_output = self._measured(lambda: super(ShardedTrainer, self).train_step(
                     samples, raise_oom=True), log_free_memory=True)
         except StopIteration as error:
             if isinstance(error.__context__, FloatingPointError):
                 raise error.__context__ from None
             raise
+        if not self._space_reported:
+            self._report_checkpoint_space()
+        return logging_output
+
+    def _report_checkpoint_space(self) -> None:
+        """Once the optimizer state exists: log a checkpoint's size against the save dir's
+        free space, with a warning if a save will not fit (:mod:`.checkpoint_space`)."""
+        optimizer = self.optimizer
+        state = optimizer.optimizer.state
+        if not state:  # before the first real step (fp16 may skip the first ones)
+            return
+        self._space_reported = True
+        checkpoint = self.cfg.checkpoint
+        if checkpoint.no_save or not self.is_data_parallel_master:
+            return
+        triples = ((param, local, state.get(local, {}))
+                   for param, local in zip(optimizer.shards.params, optimizer.shards.locals,
+                                           strict=True))
+        line, too_little = space_report(
+            checkpoint.save_dir, full_state_bytes(triples, self.shard_group_size),
+            self.sharding_options.checkpoint_format)
+        (logger.warning if too_little else logger.info)(line)
 
     def _measured(self, step: Callable[[], Any], log_free_memory: bool = False) -> Any:
         """Run ``step`` and log its peak memory (max over ranks; a collective)."""

@@ -41,6 +41,7 @@ from fairseq_shard_plugin.checkpoint_sharded import (
     remove_unreferenced_shards,
     shard_directory,
 )
+from fairseq_shard_plugin.checkpoint_space import space_report
 
 from tiny_training import SHARDED, TINY, reshard, sharded_config
 
@@ -226,6 +227,17 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_saved_checkpoints(
         assert len(list((tmp_path / "checkpoint_shards").iterdir())) == 1
 
 
+def test_a_save_dir_too_small_for_a_save_is_warned_about() -> None:
+    mib = 2**20
+    line, warning = space_report("/ckpt", 100 * mib, "full", free_bytes=250 * mib)
+    assert warning and line.startswith(
+        "checkpoints of this run: about 100.00 MiB each (fp32 model and optimizer state, "
+        "--checkpoint-format full); 250.00 MiB free in /ckpt, but a save writes up to "
+        "300.00 MiB")
+    assert "--checkpoint-format sharded writes it once" in line
+    assert not space_report("/ckpt", 100 * mib, "sharded", free_bytes=250 * mib)[1]
+
+
 # ------------------------------------------------------------ consolidated export
 
 
@@ -257,6 +269,10 @@ def test_export_at_end_of_training_is_a_standard_inference_checkpoint(
         assert type(tensor) is torch.Tensor and tensor.dtype == torch.float32, name
     assert equal_models(exported["model"], final["model"])
     assert export_path.stat().st_size < 0.6 * (save_dir / "checkpoint_last.pt").stat().st_size
+    tied = [exported["model"][name] for name in (
+        "encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+        "decoder.output_projection.weight")]
+    assert len({tensor.untyped_storage().data_ptr() for tensor in tied}) == 1  # stored once
     translations(corpus, export_path)
 
 

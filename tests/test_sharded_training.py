@@ -118,6 +118,10 @@ def test_checkpoint_is_a_standard_full_checkpoint(
     assert type(embedding) is torch.Tensor and embedding.shape == (608, 64)
     exp_avg = state["last_optimizer_state"]["state"][0]["exp_avg"]
     assert type(exp_avg) is torch.Tensor and exp_avg.shape[0] > 1
+    # the tied embeddings and output projection are stored once, as in stock checkpoints
+    tied = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+            "decoder.output_projection.weight")
+    assert len({state["model"][name].untyped_storage().data_ptr() for name in tied}) == 1
     # --eval-bleu: fairseq's metrics state holds BLEU's n-gram counts as numpy arrays,
     # which the plugin's weights_only allow-list admits (resume and generate read them)
     bleu_counts = [meter for meter in state["extra_state"]["metrics"]["valid"]
@@ -133,6 +137,17 @@ def test_checkpoint_is_a_standard_full_checkpoint(
     hypotheses = [line for line in generated.stdout.splitlines() if line.startswith("H-")]
     translated = re.search(r"Translated (\d+) sentences", generated.stderr + generated.stdout)
     assert translated and len(hypotheses) == int(translated.group(1)) > 0
+
+
+def test_the_log_says_how_large_a_checkpoint_is_before_the_first_save(
+    sharded_tiny_run: tuple[RunResult, Path]
+) -> None:
+    run, save_dir = sharded_tiny_run
+    lines = [line for line in run.output.splitlines() if "checkpoints of this run: about " in line]
+    assert len(lines) == 1 and f"free in {save_dir}" in lines[0]
+    announced = float(re.search(r"about ([0-9.]+) MiB each", lines[0]).group(1))
+    written = (save_dir / "checkpoint_last.pt").stat().st_size / 2**20
+    assert abs(announced - written) / written < 0.15  # the rest: fairseq's metadata
 
 
 def test_chunked_criterion_on_the_sharded_tied_embedding_matches_stock(

@@ -1,0 +1,61 @@
+"""Say early whether the save dir can hold this run's checkpoints.
+
+A full disk otherwise shows at the first save, which may come hours into a run. Once the
+first update has created the optimizer state, the saving rank logs how large a checkpoint
+of this run is and how much space the save dir has, and warns when a save will not fit.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+# What fairseq writes at a save, in checkpoint sizes: the first name, then in the full
+# format copies of it to checkpoint_last.pt and (when validation improves) checkpoint_best.pt;
+# in the sharded format those names are small indexes of one set of shards.
+COPIES_PER_SAVE = {"full": 3, "sharded": 1}
+
+
+def full_state_bytes(
+    params_and_states: Iterable[tuple[torch.Tensor, torch.Tensor, dict]], shard_group: int
+) -> int:
+    """Bytes of the unsharded parameters and optimizer state, from (parameter, the local
+    tensor the optimizer updates, its optimizer state) triples; a parameter that is not a
+    DTensor (fairscale's flat shards) counts as ``shard_group`` times its local size."""
+    total = 0
+    for param, local, state in params_and_states:
+        if isinstance(param, DTensor):
+            factor = param.numel() / max(local.numel(), 1)
+        else:
+            factor = shard_group
+        tensors = [local, *(v for v in state.values()
+                            if isinstance(v, torch.Tensor) and v.numel() == local.numel())]
+        total += int(sum(t.numel() * t.element_size() for t in tensors) * factor)
+    return total
+
+
+def readable(size: float) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size / 1024:.1f} KiB"
+
+
+def space_report(save_dir: str, checkpoint_bytes: int, checkpoint_format: str,
+                 free_bytes: int | None = None) -> tuple[str, bool]:
+    """(the line to log, whether it is a warning: a save would not fit)."""
+    free = shutil.disk_usage(save_dir).free if free_bytes is None else free_bytes
+    needed = checkpoint_bytes * COPIES_PER_SAVE[checkpoint_format]
+    line = (f"checkpoints of this run: about {readable(checkpoint_bytes)} each "
+            f"(fp32 model and optimizer state, --checkpoint-format {checkpoint_format}); "
+            f"{readable(free)} free in {save_dir}")
+    if free >= needed:
+        return line, False
+    copies = (" (the checkpoint, then copies to checkpoint_last.pt and checkpoint_best.pt; "
+              "--checkpoint-format sharded writes it once)" if checkpoint_format == "full"
+              else "")
+    return (f"{line}, but a save writes up to {readable(needed)}{copies}: it will fail; "
+            "free space or pass another --save-dir"), True
