@@ -58,11 +58,10 @@ def save_full_checkpoint(
 def checkpoint_state(trainer: Any, stock_state: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """The trainer's checkpoint state: full tensors, or (sharded format) an index after DCP
     has written this rank's shards. A collective: every rank calls it at each save."""
-    if sharding_options(trainer.cfg.task).checkpoint_format == "sharded":
-        return save_sharded(stock_state(), trainer.cfg.checkpoint.save_dir,
-                            trainer.get_num_updates())
     state = stock_state()
-    state["model"] = share_tied_tensors(state["model"], trainer.model)
+    state["model"] = share_tied_tensors(state["model"], trainer.model)  # stored once
+    if sharding_options(trainer.cfg.task).checkpoint_format == "sharded":
+        return save_sharded(state, trainer.cfg.checkpoint.save_dir, trainer.get_num_updates())
     return trainer.engine.full_state(state, trainer.optimizer.optimizer)
 
 
@@ -129,7 +128,7 @@ def _load_shards(
     entries = read_shard_metadata(filename, index, collective=True)
     model_state = trainer.model.state_dict()
     shapes = {name: tuple(t.shape) for name, t in model_state.items()}
-    problem = describe_shape_mismatch(filename, saved_shapes(entries, "model"), shapes)
+    problem = describe_shape_mismatch(filename, saved_shapes(index, entries, "model"), shapes)
     if problem:
         raise ShardedCheckpointError(problem)
     skeleton = {k: v for k, v in index.items() if k != SHARDED_KEY}
@@ -137,7 +136,7 @@ def _load_shards(
         skeleton.pop("last_optimizer_state", None)
     params = list(trainer.optimizer.params)
     targets = {}
-    for path in tensor_paths(skeleton):
+    for path in dict.fromkeys(tensor_paths(skeleton)):  # a tied weight's path once
         parts = path.split("/")
         like = None
         if parts[0] == "model":

@@ -55,11 +55,18 @@ class ShardedCheckpointError(RuntimeError):
 
 
 def split_tensors(state: Any, path: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
-    """Replace every tensor in a nested state by ``{"__shard__": path}``; return both parts."""
+    """Replace every tensor in a nested state by ``{"__shard__": path}``; return both parts.
+
+    A tensor object found again (a tied weight under its other names) refers to the path
+    where it was first found, so it is written once."""
     tensors: dict[str, torch.Tensor] = {}
+    first_path: dict[int, str] = {}
 
     def walk(value: Any, where: str) -> Any:
         if isinstance(value, torch.Tensor):
+            if id(value) in first_path:
+                return {_REF: first_path[id(value)]}
+            first_path[id(value)] = where
             tensors[where] = value
             return {_REF: where}
         if isinstance(value, dict):
@@ -232,11 +239,17 @@ def _short_shard_files(directory: Path, metadata: Any) -> list[tuple[str, int, i
     return short
 
 
-def saved_shapes(entries: dict[str, Any], prefix: str) -> dict[str, tuple[int, ...]]:
-    """Full shapes of the saved tensors under ``prefix/`` (e.g. the model's)."""
-    start = f"{prefix}/"
-    return {path[len(start):]: tuple(meta.size) for path, meta in entries.items()
-            if path.startswith(start) and hasattr(meta, "size")}
+def saved_shapes(index: dict[str, Any], entries: dict[str, Any], key: str
+                 ) -> dict[str, tuple[int, ...]]:
+    """Full shapes of the tensors the index holds under ``key`` (e.g. the model's), by
+    name; a tied weight's other names refer to where it was saved."""
+    shapes = {}
+    for name, value in (index.get(key) or {}).items():
+        if isinstance(value, dict) and set(value) == {_REF}:
+            meta = entries.get(value[_REF])
+            if meta is not None and hasattr(meta, "size"):
+                shapes[name] = tuple(meta.size)
+    return shapes
 
 
 def load_tensors(
@@ -269,6 +282,6 @@ def empty_like_saved(meta: Any, like: torch.Tensor | None = None) -> torch.Tenso
 def full_tensors(index_file: str | Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Every tensor of a sharded checkpoint as a full CPU tensor, in one process."""
     entries = read_shard_metadata(index_file, index)
-    targets = {path: empty_like_saved(entries[path]) for path in tensor_paths(index)}
+    targets = {path: empty_like_saved(entries[path]) for path in set(tensor_paths(index))}
     load_tensors(index_file, index, targets, no_dist=True)
     return targets

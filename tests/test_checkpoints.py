@@ -46,6 +46,8 @@ from fairseq_shard_plugin.checkpoint_space import space_report
 from tiny_training import SHARDED, TINY, reshard, sharded_config
 
 UPDATES = 40
+TIED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+        "decoder.output_projection.weight")  # one parameter: --share-all-embeddings
 # 128 tokens per rank: an epoch is longer than 40 updates, so the crash resumes below land
 # in epoch 1; test_a_signal_to_one_rank_stops_all_and_the_resume_in_epoch_2_continues_exactly
 # resumes in epoch 2 (see resumable_batches.py for why stock fairseq is not exact there).
@@ -269,9 +271,7 @@ def test_export_at_end_of_training_is_a_standard_inference_checkpoint(
         assert type(tensor) is torch.Tensor and tensor.dtype == torch.float32, name
     assert equal_models(exported["model"], final["model"])
     assert export_path.stat().st_size < 0.6 * (save_dir / "checkpoint_last.pt").stat().st_size
-    tied = [exported["model"][name] for name in (
-        "encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
-        "decoder.output_projection.weight")]
+    tied = [exported["model"][name] for name in TIED]
     assert len({tensor.untyped_storage().data_ptr() for tensor in tied}) == 1  # stored once
     translations(corpus, export_path)
 
@@ -390,6 +390,9 @@ def test_sharded_save_writes_each_ranks_shards_and_small_indexes(
     assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp",
                                                        "__1_0.distcp"]
     assert index["extra_state"]["train_iterator"]["iterations_in_epoch"] == 20
+    # the tied embeddings and output projection are written once; the other names refer to it
+    assert {str(index["model"][name]) for name in TIED} == {
+        "{'__shard__': 'model/encoder.embed_tokens.weight'}"}
     full_size = (full_dir / "checkpoint_1_20.pt").stat().st_size
     assert len(first["checkpoint_1_20.pt"]) < 0.1 * full_size
     # the shards, gathered by the consolidate command, are bit for bit the full checkpoint
