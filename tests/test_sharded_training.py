@@ -150,17 +150,23 @@ def test_the_log_says_how_large_a_checkpoint_is_before_the_first_save(
     assert abs(announced - written) / written < 0.15  # the rest: fairseq's metadata
 
 
-def test_chunked_criterion_on_the_sharded_tied_embedding_matches_stock(
-    corpus: Path, tmp_path: Path, stock_tiny_run: RunResult
+def test_chunked_criterion_and_activation_checkpointing_match_stock_with_a_lower_peak(
+    corpus: Path, tmp_path: Path, stock_tiny_run: RunResult,
+    sharded_tiny_run: tuple[RunResult, Path]
 ) -> None:
+    """The chunked loss on the sharded tied embedding and fairseq's
+    --checkpoint-activations inside each layer's unit: stock fairseq's losses and norms,
+    and a lower peak than the plugin's plain run over the same batches."""
     args = training_args(corpus, tmp_path, UPDATES) + TINY + [
-        "--criterion", "chunked_label_smoothed_cross_entropy", "--loss-chunk-tokens", "64",
-        "--no-save"]
+        "--task", "sharded_translation", "--criterion", "chunked_label_smoothed_cross_entropy",
+        "--loss-chunk-tokens", "64", "--checkpoint-activations", "--no-save"]
     run = run_training(args, nproc=2, plugin=True)
     losses = run.series("train_inner", "loss")
     assert relative_difference(losses, first(stock_tiny_run, "loss")) <= 1e-4
     assert relative_difference(run.series("train_inner", "gnorm"),
                                first(stock_tiny_run, "gnorm")) <= 1e-3
+    plain_peak = max(first(sharded_tiny_run[0], "peak_mem_gb"))  # the same 20 batches
+    assert max(run.series("train_inner", "peak_mem_gb")) < 0.8 * plain_peak
 
 
 def test_no_reshard_after_forward_keeps_units_gathered_and_trains_the_same(
@@ -188,18 +194,6 @@ def test_no_reshard_after_forward_keeps_units_gathered_and_trains_the_same(
                        for d in (tmp_path, reference_dir))
     assert saved.keys() == expected.keys()
     assert all(torch.equal(saved[name], expected[name]) for name in saved)
-
-
-def test_activation_checkpointing_inside_units_keeps_loss_and_lowers_peak(
-    corpus: Path, tmp_path: Path, sharded_tiny_run: tuple[RunResult, Path]
-) -> None:
-    plain, _ = sharded_tiny_run
-    args = training_args(corpus, tmp_path, UPDATES) + TINY + [
-        "--task", "sharded_translation", "--checkpoint-activations", "--no-save"]
-    checkpointed = run_training(args, nproc=2, plugin=True)
-    assert checkpointed.series("train_inner", "loss") == first(plain, "loss")
-    plain_peak = max(first(plain, "peak_mem_gb"))  # the same 20 batches
-    assert max(checkpointed.series("train_inner", "peak_mem_gb")) < 0.8 * plain_peak
 
 
 def error_line(run: RunResult) -> str:
