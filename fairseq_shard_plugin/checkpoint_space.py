@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -44,10 +45,19 @@ def readable(size: float) -> str:
     return f"{size / 1024:.1f} KiB"
 
 
+def free_space(directory: str) -> int:
+    """Free bytes on the file system of ``directory``, or of its nearest existing parent
+    (fairseq creates the save dir later)."""
+    path = Path(directory).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
 def space_report(save_dir: str, checkpoint_bytes: int, checkpoint_format: str,
                  free_bytes: int | None = None) -> tuple[str, bool]:
     """(the line to log, whether it is a warning: a save would not fit)."""
-    free = shutil.disk_usage(save_dir).free if free_bytes is None else free_bytes
+    free = free_space(save_dir) if free_bytes is None else free_bytes
     needed = checkpoint_bytes * COPIES_PER_SAVE[checkpoint_format]
     line = (f"checkpoints of this run: about {readable(checkpoint_bytes)} each "
             f"(fp32 model and optimizer state, --checkpoint-format {checkpoint_format}); "

@@ -368,9 +368,13 @@ class ShardedTrainer(Trainer):
         triples = ((param, local, state.get(local, {}))
                    for param, local in zip(optimizer.shards.params, optimizer.shards.locals,
                                            strict=True))
-        line, too_little = space_report(
-            checkpoint.save_dir, full_state_bytes(triples, self.shard_group_size),
-            self.sharding_options.checkpoint_format)
+        try:
+            line, too_little = space_report(
+                checkpoint.save_dir, full_state_bytes(triples, self.shard_group_size),
+                self.sharding_options.checkpoint_format)
+        except OSError as error:  # a notice only: never a reason to stop training
+            logger.info(f"free space of {checkpoint.save_dir} unknown: {error}")
+            return
         (logger.warning if too_little else logger.info)(line)
 
     def _measured(self, step: Callable[[], Any], log_free_memory: bool = False) -> Any:

@@ -234,8 +234,11 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_saved_checkpoints(
     assert len(list((tmp_path / "checkpoint_shards").iterdir())) == 1  # failed one removed
 
 
-def test_a_save_dir_too_small_for_a_save_is_warned_about() -> None:
+def test_a_save_dir_too_small_for_a_save_is_warned_about(tmp_path: Path) -> None:
     mib = 2**20
+    not_yet_created = tmp_path / "runs" / "save"  # fairseq creates it at the first save
+    line, warning = space_report(str(not_yet_created), mib, "sharded")
+    assert not warning and line.endswith(f"free in {not_yet_created}")
     line, warning = space_report("/ckpt", 100 * mib, "full", free_bytes=250 * mib)
     assert warning and line.startswith(
         "checkpoints of this run: about 100.00 MiB each (fp32 model and optimizer state, "
