@@ -29,6 +29,7 @@ from benchmarks.harness import (
     RunResult,
     free_port,
     parse_logs,
+    run_concurrently,
     run_training,
     start_ranks,
     tool,
@@ -251,19 +252,25 @@ def test_a_save_dir_too_small_for_a_save_is_warned_about(tmp_path: Path) -> None
 # ------------------------------------------------------------ consolidated export
 
 
-def translations(corpus: Path, checkpoint: Path) -> list[str]:
-    """Hypotheses of ``fairseq-generate --path checkpoint`` on the test set."""
-    generated = subprocess.run(
-        [tool("fairseq-generate"), str(corpus), "--path", str(checkpoint),
-         "--user-dir", str(PLUGIN_DIR), "--cpu", "--beam", "2", "--max-tokens", "1000",
-         "--max-len-b", "20"],
-        capture_output=True, text=True, timeout=300,
-    )
+def generate_command(corpus: Path, checkpoint: Path) -> list[str]:
+    return [tool("fairseq-generate"), str(corpus), "--path", str(checkpoint),
+            "--user-dir", str(PLUGIN_DIR), "--cpu", "--beam", "2", "--max-tokens", "1000",
+            "--max-len-b", "20"]
+
+
+def hypotheses(generated: subprocess.CompletedProcess) -> list[str]:
+    """The hypotheses a finished ``fairseq-generate`` printed for the whole test set."""
     assert generated.returncode == 0, generated.stderr[-3000:]
     found = re.search(r"Translated (\d+) sentences", generated.stderr + generated.stdout)
-    hypotheses = [line for line in generated.stdout.splitlines() if line.startswith("H-")]
-    assert found and len(hypotheses) == int(found.group(1)) > 0
-    return hypotheses
+    lines = [line for line in generated.stdout.splitlines() if line.startswith("H-")]
+    assert found and len(lines) == int(found.group(1)) > 0
+    return lines
+
+
+def translations(corpus: Path, checkpoint: Path) -> list[str]:
+    """Hypotheses of ``fairseq-generate --path checkpoint`` on the test set."""
+    return hypotheses(subprocess.run(generate_command(corpus, checkpoint), capture_output=True,
+                                     text=True, timeout=300))
 
 
 def test_export_at_end_of_training_is_a_standard_inference_checkpoint(
@@ -422,8 +429,10 @@ def test_fairseq_generate_reads_a_sharded_checkpoint_directly(
 ) -> None:
     """With the plugin as --user-dir, fairseq's own loader gathers the shards (hook 6): the
     index of update 20 translates exactly as the full checkpoint of the same update."""
-    sharded = translations(corpus, crashes["save_dir"] / "checkpoint_1_20.pt")
-    assert sharded == translations(corpus, uninterrupted[1] / "checkpoint_1_20.pt")
+    generated = run_concurrently({
+        "sharded": generate_command(corpus, crashes["save_dir"] / "checkpoint_1_20.pt"),
+        "full": generate_command(corpus, uninterrupted[1] / "checkpoint_1_20.pt")})
+    assert hypotheses(generated["sharded"]) == hypotheses(generated["full"])
 
 
 def test_shards_that_no_checkpoint_names_are_removed(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness import run_concurrently
 from fairseq_shard_plugin.estimate import parser, run, shape_from_fairseq
 from fairseq_shard_plugin.memory_model import (
     GIB,
@@ -171,47 +172,75 @@ def test_estimate_matches_the_measured_1_3b_and_3_3b_steps(arch: str, results: s
                 "model_state_gib"] < 0.10
 
 
-@pytest.mark.parametrize(("configuration", "flags"), [
-    ("plugin", []),  # peak in the stock loss's backward
-    ("plugin+chunked-loss+ac",  # peak once the layers' backward has started
-     ["--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
-      "--loss-chunk-tokens", "16"]),
-    ("plugin+zero2", ["--no-reshard-after-forward"]),  # every layer gathered at the loss
-    ("plugin+chunked-loss+ac+zero2",  # every layer gathered at the first layer's backward
-     ["--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
-      "--loss-chunk-tokens", "16", "--no-reshard-after-forward"]),
-    ("plugin+chunked-loss+ac+16-bit-vocab-reduce+vocab-gathered",  # the NLLB configs'
-     ["--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
-      "--loss-chunk-tokens", "16", "--reduce-vocabulary-in-16-bit",
-      "--keep-vocabulary-gathered"]),
-])
-def test_estimate_matches_a_small_measured_step(configuration: str, flags: list[str]) -> None:
-    """A tiny model measured here by benchmarks/memory.py (fake process group of 2)."""
+SMALL_MEASURED = {  # benchmarks/memory.py configuration: the estimator's flags for it
+    "plugin": [],  # peak in the stock loss's backward
+    "plugin+chunked-loss+ac":  # peak once the layers' backward has started
+        ["--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
+         "--loss-chunk-tokens", "16"],
+    "plugin+zero2": ["--no-reshard-after-forward"],  # every layer gathered at the loss
+    "plugin+chunked-loss+ac+zero2":  # every layer gathered at the first layer's backward
+        ["--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
+         "--loss-chunk-tokens", "16", "--no-reshard-after-forward"],
+    "plugin+chunked-loss+ac+16-bit-vocab-reduce+vocab-gathered":  # the NLLB configs'
+        ["--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
+         "--loss-chunk-tokens", "16", "--reduce-vocabulary-in-16-bit",
+         "--keep-vocabulary-gathered"],
+}
+
+
+@pytest.fixture(scope="module")
+def small_measurements() -> dict[str, float]:
+    """Peak GiB of each SMALL_MEASURED configuration on a tiny model, measured by
+    benchmarks/memory.py (fake process group of 2), one process each, all at once (a
+    process's peak tensor memory does not depend on the others)."""
     model = " ".join(TINY[:-1] + ["--encoder-normalize-before", "--decoder-normalize-before",
                                   "--attention-dropout", "0.1"])
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.memory", "--only", configuration, "--model", model,
-         "--vocabulary", "8000", "--tokens", "512", "--world-size", "2", "--precision",
-         "bf16", "--loss-chunk-tokens", "16"],
-        cwd=REPO, capture_output=True, text=True, check=True)
-    measured = json.loads(completed.stdout.strip().splitlines()[-1])["peak_gib"]
+    finished = run_concurrently({
+        name: [sys.executable, "-m", "benchmarks.memory", "--only", name, "--model", model,
+               "--vocabulary", "8000", "--tokens", "512", "--world-size", "2", "--precision",
+               "bf16", "--loss-chunk-tokens", "16"]
+        for name in SMALL_MEASURED})
+    peaks = {}
+    for name, completed in finished.items():
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        peaks[name] = json.loads(completed.stdout.strip().splitlines()[-1])["peak_gib"]
+    return peaks
+
+
+@pytest.mark.parametrize("configuration", list(SMALL_MEASURED))
+def test_estimate_matches_a_small_measured_step(
+    small_measurements: dict[str, float], configuration: str
+) -> None:
+    measured = small_measurements[configuration]
     report = run([*TINY, "--attention-dropout", "0.1", "--vocab", "8000", "--max-tokens",
-                  "512", "--world-size", "2", "--bf16", *flags])
+                  "512", "--world-size", "2", "--bf16", *SMALL_MEASURED[configuration]])
     estimated = report["configurations"]["requested"]["peak_gib"]
     assert abs(estimated - measured) / measured < 0.10, (estimated, measured)
 
 
-def test_cli_prints_three_configurations_and_json() -> None:
-    table = subprocess.run(
-        [str(SCRIPT), *TINY, "--vocab", "1000", "--max-tokens", "256", "--fp16"],
-        capture_output=True, text=True, check=True).stdout
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
+    """The command's runs the tests below read, started at once (each is mostly start-up)."""
+    adafactor = tmp_path_factory.mktemp("configs") / "adafactor.yaml"
+    adafactor.write_text("optimizer:\n  _name: adafactor\n")
+    return run_concurrently({
+        "table": [str(SCRIPT), *TINY, "--vocab", "1000", "--max-tokens", "256", "--fp16"],
+        "json": [str(SCRIPT), *TINY, "--vocab", "1000", "--max-tokens", "256",
+                 "--world-size", "4", "--criterion", "chunked_label_smoothed_cross_entropy",
+                 "--json"],
+        "bad world size": [str(SCRIPT), *TINY, "--world-size", "0"],
+        "adafactor config": [str(SCRIPT), "--config", str(adafactor)],
+    })
+
+
+def test_cli_prints_three_configurations_and_json(
+    cli: dict[str, subprocess.CompletedProcess]
+) -> None:
+    assert cli["table"].returncode == 0, cli["table"].stderr[-3000:]
     for label in ("unsharded (1 rank)", "stock policy (2 ranks)", "this run (2 ranks)",
                   "optimizer state", "activations", "temporaries", "peak", "Helps most:"):
-        assert label in table
-    report = json.loads(subprocess.run(
-        [str(SCRIPT), *TINY, "--vocab", "1000", "--max-tokens", "256", "--world-size", "4",
-         "--criterion", "chunked_label_smoothed_cross_entropy", "--json"],
-        capture_output=True, text=True, check=True).stdout)
+        assert label in cli["table"].stdout
+    report = json.loads(cli["json"].stdout)
     requested = report["configurations"]["requested"]
     state = requested["params_gib"] + requested["grads_gib"] + requested["optimizer_gib"]
     assert requested["peak_gib"] > state
@@ -231,15 +260,18 @@ def test_keeping_the_vocabulary_gathered_is_suggested_only_where_it_costs_no_pea
     assert run([*nllb, *features, "--keep-vocabulary-gathered"])["free_speedup"] is None
 
 
-def test_bad_input_is_one_line_naming_the_flag() -> None:
-    completed = subprocess.run([str(SCRIPT), *TINY, "--world-size", "0"],
-                               capture_output=True, text=True)
+def test_bad_input_is_one_line_naming_the_flag(
+    cli: dict[str, subprocess.CompletedProcess]
+) -> None:
+    completed = cli["bad world size"]
     assert completed.returncode != 0
     assert completed.stderr.strip().splitlines()[-1] == (
         "fairseq-shard-estimate: error: --world-size must be at least 1, got 0")
 
 
-def test_a_hydra_config_gives_the_same_estimate_as_its_flags(tmp_path: Path) -> None:
+def test_a_hydra_config_gives_the_same_estimate_as_its_flags(
+    cli: dict[str, subprocess.CompletedProcess]
+) -> None:
     """configs/nllb/dense_600m.yaml read by --config equals the same settings as flags;
     flags given beside it override it."""
     config = str(REPO / "configs" / "nllb" / "dense_600m.yaml")
@@ -253,10 +285,8 @@ def test_a_hydra_config_gives_the_same_estimate_as_its_flags(tmp_path: Path) -> 
     assert from_config == as_flags
     assert from_config["setup"]["chunked_loss"] and from_config["setup"]["tokens"] == 4096
     assert run(["--config", config, "--max-tokens", "2048"])["setup"]["tokens"] == 2048
-    adafactor = tmp_path / "adafactor.yaml"
-    adafactor.write_text("optimizer:\n  _name: adafactor\n")
-    completed = subprocess.run([str(SCRIPT), "--config", str(adafactor)],
-                               capture_output=True, text=True)
+    completed = cli["adafactor config"]
+    adafactor = completed.args[-1]
     assert completed.returncode != 0
     assert completed.stderr.strip().splitlines()[-1] == (
         f"fairseq-shard-estimate: error: --config {adafactor}: optimizer adafactor is not "
