@@ -136,7 +136,7 @@ def _load_shards(
         skeleton.pop("last_optimizer_state", None)
     params = list(trainer.optimizer.params)
     targets = {}
-    for path in dict.fromkeys(tensor_paths(skeleton)):  # a tied weight's path once
+    for path in tensor_paths(skeleton):
         parts = path.split("/")
         like = None
         if parts[0] == "model":

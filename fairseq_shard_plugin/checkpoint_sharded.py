@@ -91,13 +91,14 @@ def fill_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def tensor_paths(skeleton: Any) -> list[str]:
-    """The tensor references of a skeleton, in order."""
-    found: list[str] = []
+    """The paths a skeleton refers to, each once (a tied weight's names share one), in
+    order of first reference."""
+    found: dict[str, None] = {}
 
     def walk(value: Any) -> None:
         if isinstance(value, dict):
             if set(value) == {_REF}:
-                found.append(value[_REF])
+                found[value[_REF]] = None
                 return
             for v in value.values():
                 walk(v)
@@ -106,7 +107,7 @@ def tensor_paths(skeleton: Any) -> list[str]:
                 walk(v)
 
     walk(skeleton)
-    return found
+    return list(found)
 
 
 def is_sharded_index(state: Any) -> bool:
@@ -282,6 +283,6 @@ def empty_like_saved(meta: Any, like: torch.Tensor | None = None) -> torch.Tenso
 def full_tensors(index_file: str | Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Every tensor of a sharded checkpoint as a full CPU tensor, in one process."""
     entries = read_shard_metadata(index_file, index)
-    targets = {path: empty_like_saved(entries[path]) for path in set(tensor_paths(index))}
+    targets = {path: empty_like_saved(entries[path]) for path in tensor_paths(index)}
     load_tensors(index_file, index, targets, no_dist=True)
     return targets

@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_WRAP
+
 from fairseq_shard_plugin.launch_env import launched_by_torchrun, ranks_per_node, uses_cuda
 from fairseq_shard_plugin.options import ShardingConfig, sharding_options
 from fairseq_shard_plugin.signal_stop import parse_signals
-
-# fairseq's default --min-params-to-wrap (a field of the transformer models' configs)
-DEFAULT_MIN_PARAMS_TO_WRAP = 100_000_000
 
 
 class ShardingConfigError(ValueError):
