@@ -25,8 +25,11 @@ from fairseq_shard_plugin.memory_model import (
     ModelShape,
     TrainingSetup,
     comparison,
+    comparison_setups,
     estimate,
+    fits_most_with,
     helps_most,
+    largest_tokens,
 )
 
 PROG = "fairseq-shard-estimate"
@@ -71,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--" + flag, action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="fairseq's flag: every unit stays gathered from forward to backward")
+    p.add_argument("--memory-budget", type=float, metavar="GIB",
+                   help="also print the largest --max-tokens whose estimated peak fits in "
+                   "GIB per rank (e.g. a GPU's memory less some headroom)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -95,6 +101,8 @@ def _check(options: argparse.Namespace) -> None:
         value = getattr(options, flag)
         if value is not None and value < 1:
             raise EstimateError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if options.memory_budget is not None and not options.memory_budget > 0:
+        raise EstimateError(f"--memory-budget must be above 0 GiB, got {options.memory_budget}")
     if options.vocab < 5:
         raise EstimateError("--vocab must exceed fairseq's 4 special symbols")
 
@@ -136,9 +144,6 @@ def _fairseq_args(options: argparse.Namespace) -> list[str]:
 def shape_from_fairseq(options: argparse.Namespace) -> ModelShape:
     """Build the model on the meta device through fairseq and read its sharding units."""
     import torch
-
-    logging.getLogger("fairseq").setLevel(logging.WARNING)  # import-time notices
-    warnings.filterwarnings("ignore", category=FutureWarning)
     from fairseq import options as fairseq_options
     from fairseq.data import Dictionary
     from fairseq.models import ARCH_MODEL_REGISTRY
@@ -233,8 +238,40 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
             "feature": best[0], "flag": best[1], "saves_gib": best[2] / GIB,
             "peak_gib": (results["requested"].peak - best[2]) / GIB},
         "free_speedup": free_speedup,
+        "fits": None if options.memory_budget is None else fits(
+            shape, setup, options.memory_budget * GIB),
         "_estimates": results,
     }
+
+
+def fits(shape: ModelShape, setup: TrainingSetup, budget: float) -> dict[str, Any]:
+    """The largest --max-tokens of each configuration within ``budget`` bytes per rank, and
+    the off feature that fits the most."""
+    best = fits_most_with(shape, setup, budget)
+    return {
+        "budget_gib": budget / GIB,
+        "max_tokens": {name: largest_tokens(shape, each, budget)
+                       for name, each in comparison_setups(setup).items()},
+        "most_with": None if best is None else {
+            "feature": best[0], "flag": best[1], "max_tokens": best[2]},
+    }
+
+
+def fits_line(report: dict[str, Any]) -> str:
+    fit, runs = report["fits"], report["fits"]["max_tokens"]
+
+    def tokens(count: int) -> str:
+        return f"{count:,}" if count else "none"
+
+    line = (f"Within {fit['budget_gib']:.2f} GiB per rank: --max-tokens "
+            f"{tokens(runs['requested'])} for this run (unsharded {tokens(runs['unsharded'])}"
+            f", stock policy {tokens(runs['stock-policy'])})")
+    if not runs["requested"]:
+        line += ": its model state alone does not fit"
+    best = fit["most_with"]
+    if best is not None:
+        line += f"; {best['max_tokens']:,} with {best['feature']} ({best['flag']})"
+    return line + "."
 
 
 def helps_most_line(report: dict[str, Any]) -> str:
@@ -247,6 +284,8 @@ def helps_most_line(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    logging.getLogger("fairseq").setLevel(logging.WARNING)  # import-time notices
+    warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         report = run(argv)
     except EstimateError as error:
@@ -261,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
           f"rank, {setup['precision']} compute, fp32 master shards, {setup['optimizer']}")
     print(table(estimates, TrainingSetup(**setup)))
     print(helps_most_line(report))
+    if report["fits"]:
+        print(fits_line(report))
     if report["free_speedup"]:
         print(f"Faster at no memory cost: {report['free_speedup']['flag']} (the vocabulary "
               "unit gathered once per step, not at each use); the peak stays "

@@ -319,28 +319,73 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
                     peak_phase, host, phases, grads)
 
 
-def comparison(shape: ModelShape, setup: TrainingSetup) -> dict[str, Estimate]:
+def comparison_setups(setup: TrainingSetup) -> dict[str, TrainingSetup]:
     """The three configurations side by side: unsharded (world size 1, the model gathered),
     stock fairseq's policy (one root unit kept gathered, stock loss, N ranks), requested."""
     plain = dict(chunked_loss=False, checkpoint_activations=False, cpu_offload=False,
                  reduce_in_16_bit=False, reduce_vocabulary_in_16_bit=False)
     return {
-        "unsharded": estimate(shape, replace(setup, world_size=1, root_unit_only=True,
-                                             keep_root_gathered=True, **plain)),
-        "stock-policy": estimate(shape, replace(setup, root_unit_only=True,
-                                                keep_root_gathered=True, **plain)),
-        "requested": estimate(shape, setup),
+        "unsharded": replace(setup, world_size=1, root_unit_only=True, keep_root_gathered=True,
+                             **plain),
+        "stock-policy": replace(setup, root_unit_only=True, keep_root_gathered=True, **plain),
+        "requested": setup,
     }
+
+
+def comparison(shape: ModelShape, setup: TrainingSetup) -> dict[str, Estimate]:
+    """:func:`comparison_setups`, estimated."""
+    return {name: estimate(shape, each) for name, each in comparison_setups(setup).items()}
+
+
+def features_off(setup: TrainingSetup) -> dict[str, tuple[str, TrainingSetup]]:
+    """Each feature of :data:`FEATURES` not on yet: (its flag, the setup with it on)."""
+    return {name: (flag, replace(setup, **change)) for name, (flag, change) in FEATURES.items()
+            if any(getattr(setup, key) != value for key, value in change.items())}
 
 
 def helps_most(shape: ModelShape, setup: TrainingSetup) -> tuple[str, str, float] | None:
     """(feature, flag, bytes saved) of the off feature that lowers the peak most, if any."""
     base = estimate(shape, setup).peak
     best = None
-    for name, (flag, change) in FEATURES.items():
-        if all(getattr(setup, key) == value for key, value in change.items()):
-            continue  # already on
-        saved = base - estimate(shape, replace(setup, **change)).peak
+    for name, (flag, changed) in features_off(setup).items():
+        saved = base - estimate(shape, changed).peak
         if saved > 0 and (best is None or saved > best[2]):
             best = (name, flag, saved)
+    return best
+
+
+TOKENS_STEP = 64  # --max-tokens suggestions are multiples of this
+
+
+def largest_tokens(shape: ModelShape, setup: TrainingSetup, budget: float,
+                   most: int = 1 << 22) -> int:
+    """The largest ``--max-tokens`` (a multiple of :data:`TOKENS_STEP`, at most ``most``)
+    whose estimated peak stays within ``budget`` bytes per rank; 0 if none does. The peak
+    grows with the tokens (every term is non-decreasing in them), so a bisection finds it."""
+
+    def fits(tokens: int) -> bool:
+        return estimate(shape, replace(setup, tokens=tokens)).peak <= budget
+
+    low, high = 0, most // TOKENS_STEP  # fits(low * step) holds (0: nothing), high: unknown
+    if fits(high * TOKENS_STEP):
+        return high * TOKENS_STEP
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle * TOKENS_STEP):
+            low = middle
+        else:
+            high = middle
+    return low * TOKENS_STEP
+
+
+def fits_most_with(shape: ModelShape, setup: TrainingSetup,
+                   budget: float) -> tuple[str, str, int] | None:
+    """(feature, flag, largest --max-tokens) of the off feature that fits the most tokens
+    within ``budget``, if one fits more than ``setup`` itself."""
+    best = None
+    base = largest_tokens(shape, setup, budget)
+    for name, (flag, changed) in features_off(setup).items():
+        tokens = largest_tokens(shape, changed, budget)
+        if tokens > base and (best is None or tokens > best[2]):
+            best = (name, flag, tokens)
     return best

@@ -11,10 +11,13 @@ launcher (torchrun, ``srun --kill-on-bad-exit``) then stops the waiting ranks.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 class StepOutOfMemoryError(RuntimeError):
@@ -34,8 +37,7 @@ def smaller_step_advice(cfg: Any, validation: bool) -> str:
     """The settings that lower a step's peak and are not on yet, as flags."""
     if validation:
         tokens = cfg.dataset.max_tokens_valid or cfg.dataset.max_tokens
-        return (f"lower --max-tokens-valid ({tokens} now) or --batch-size-valid; "
-                "fairseq-shard-estimate predicts a training step's peak")
+        return f"lower --max-tokens-valid ({tokens} now) or --batch-size-valid"
     tokens = cfg.dataset.max_tokens
     steps = [f"lower --max-tokens ({tokens} now) and raise --update-freq to keep the batch"
              if tokens else "lower --batch-size and raise --update-freq to keep the batch"]
@@ -46,14 +48,25 @@ def smaller_step_advice(cfg: Any, validation: bool) -> str:
         steps.append("use --criterion chunked_label_smoothed_cross_entropy")
     if fsdp2 and not cfg.distributed_training.cpu_offload:
         steps.append("add --cpu-offload")
-    listed = ", ".join(steps[:-1]) + f" or {steps[-1]}" if len(steps) > 1 else steps[0]
-    return f"{listed}; fairseq-shard-estimate predicts the peak of each setting"
+    return ", ".join(steps[:-1]) + f" or {steps[-1]}" if len(steps) > 1 else steps[0]
+
+
+def _estimator_says(estimate: Callable[[], str | None] | None) -> str:
+    """The estimator's clause for the error line; its generic pointer where it has none.
+    Nothing the estimator raises may hide the out-of-memory error itself."""
+    try:
+        clause = estimate() if estimate is not None else None
+    except Exception as error:  # noqa: BLE001 (the out-of-memory line comes first)
+        logger.debug(f"no estimate for the out-of-memory line: {error!r}")
+        clause = None
+    return clause or "fairseq-shard-estimate predicts the peak of each setting"
 
 
 @contextlib.contextmanager
-def stop_on_out_of_memory(cfg: Any, rank: int, num_updates: int,
-                          validation: bool = False) -> Iterator[None]:
-    """Turn an out-of-memory error raised inside into :class:`StepOutOfMemoryError`."""
+def stop_on_out_of_memory(cfg: Any, rank: int, num_updates: int, validation: bool = False,
+                          estimate: Callable[[], str | None] | None = None) -> Iterator[None]:
+    """Turn an out-of-memory error raised inside into :class:`StepOutOfMemoryError`;
+    ``estimate`` gives what fairseq-shard-estimate says of the step (training only)."""
     try:
         yield
     except Exception as error:
@@ -65,5 +78,7 @@ def stop_on_out_of_memory(cfg: Any, rank: int, num_updates: int,
         raise StepOutOfMemoryError(
             f"rank {rank} ran out of memory in {where} ({first_line}); a sharded step cannot "
             f"be skipped on one rank, so training stops. To go on from the last checkpoint: "
-            f"{smaller_step_advice(cfg, validation)}"
+            f"{smaller_step_advice(cfg, validation)}; "
+            + ("fairseq-shard-estimate predicts a training step's peak" if validation
+               else _estimator_says(estimate))
         ) from error

@@ -55,6 +55,11 @@ from fairseq_shard_plugin.precision import (
     compute_dtype,
     fp16_loss_scaler,
 )
+from fairseq_shard_plugin.run_estimate import (
+    describe_run,
+    log_predicted_peak,
+    out_of_memory_clause,
+)
 from fairseq_shard_plugin.validation import (
     ShardingConfigError,
     check_sharded_config,
@@ -132,6 +137,8 @@ class ShardedTrainer(Trainer):
             bool(cfg.distributed_training.cpu_offload),
             self.sharding_options.reduce_vocabulary_in_16_bit,
         )
+        # the run as fairseq-shard-estimate flags, read from the model before it is sharded
+        self._run_description = describe_run(cfg, model, self.shard_group_size)
         sharded_model = self.engine.shard(model, self.sharding_plan)
         if self.compute_dtype is not None:
             cast_buffers(model, self.compute_dtype)
@@ -168,6 +175,8 @@ class ShardedTrainer(Trainer):
         if self.offload and self._memory_probe is not None and self.device.type == "cpu":
             watch_offloaded_state(self._memory_probe, self._model.parameters())
         self._space_reported = False  # see _report_checkpoint_space
+        if self.is_data_parallel_master:
+            log_predicted_peak(self._run_description, self.device)
         # read after every update by integration hook 9 (save and stop on a signal)
         self.signal_stop = signal_stop.install(
             signal_stop.parse_signals(self.sharding_options.save_on_signal))
@@ -342,8 +351,10 @@ class ShardedTrainer(Trainer):
         NanDetector, whose module hooks fail on torch 2 with a bare StopIteration; the
         original error is raised instead, so the log ends with what went wrong."""
         try:
-            with stop_on_out_of_memory(self.cfg, self.data_parallel_rank,
-                                       self.get_num_updates()):
+            with stop_on_out_of_memory(
+                    self.cfg, self.data_parallel_rank, self.get_num_updates(),
+                    estimate=lambda: out_of_memory_clause(self._run_description, samples,
+                                                          self.device)):
                 logging_output = self._measured(lambda: super(ShardedTrainer, self).train_step(
                     samples, raise_oom=True), log_free_memory=True)
         except StopIteration as error:

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,12 +15,15 @@ from benchmarks.harness import run_concurrently
 from fairseq_shard_plugin.estimate import parser, run, shape_from_fairseq
 from fairseq_shard_plugin.memory_model import (
     GIB,
+    TOKENS_STEP,
     ModelShape,
     TrainingSetup,
     estimate,
     helps_most,
+    largest_tokens,
     transformer_shape,
 )
+from fairseq_shard_plugin.run_estimate import RunDescription, predict
 
 REPO = Path(__file__).resolve().parents[1]
 MEASURED = REPO / "benchmarks" / "results" / "memory.json"
@@ -224,7 +228,8 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Comple
     adafactor = tmp_path_factory.mktemp("configs") / "adafactor.yaml"
     adafactor.write_text("optimizer:\n  _name: adafactor\n")
     return run_concurrently({
-        "table": [str(SCRIPT), *TINY, "--vocab", "1000", "--max-tokens", "256", "--fp16"],
+        "table": [str(SCRIPT), *TINY, "--vocab", "1000", "--max-tokens", "256", "--fp16",
+                  "--memory-budget", "0.05"],
         "json": [str(SCRIPT), *TINY, "--vocab", "1000", "--max-tokens", "256",
                  "--world-size", "4", "--criterion", "chunked_label_smoothed_cross_entropy",
                  "--json"],
@@ -240,6 +245,10 @@ def test_cli_prints_three_configurations_and_json(
     for label in ("unsharded (1 rank)", "stock policy (2 ranks)", "this run (2 ranks)",
                   "optimizer state", "activations", "temporaries", "peak", "Helps most:"):
         assert label in cli["table"].stdout
+    fits = re.search(r"Within 0.05 GiB per rank: --max-tokens ([\d,]+) for this run "
+                     r"\(unsharded ([\d,]+), stock policy ([\d,]+)\)", cli["table"].stdout)
+    this_run, unsharded, stock = (int(count.replace(",", "")) for count in fits.groups())
+    assert this_run >= stock >= unsharded > 0
     report = json.loads(cli["json"].stdout)
     requested = report["configurations"]["requested"]
     state = requested["params_gib"] + requested["grads_gib"] + requested["optimizer_gib"]
@@ -291,3 +300,36 @@ def test_a_hydra_config_gives_the_same_estimate_as_its_flags(
     assert completed.stderr.strip().splitlines()[-1] == (
         f"fairseq-shard-estimate: error: --config {adafactor}: optimizer adafactor is not "
         "modelled (one of adam, sgd): pass --optimizer instead")
+
+
+def test_the_largest_batch_within_a_budget_is_at_its_edge(nllb_600m: ModelShape) -> None:
+    """The --max-tokens offered fits the budget and one step more does not; a model whose
+    state alone exceeds it gets none."""
+    budget = 22 * GIB
+    for features in ({}, {"chunked_loss": True}, {"chunked_loss": True,
+                                                   "checkpoint_activations": True}):
+        setup = TrainingSetup(world_size=2, precision="fp16", **features)
+        tokens = largest_tokens(nllb_600m, setup, budget)
+        assert tokens % TOKENS_STEP == 0 and tokens > 0
+        assert estimate(nllb_600m, replace(setup, tokens=tokens)).peak <= budget
+        assert estimate(nllb_600m, replace(setup, tokens=tokens + TOKENS_STEP)).peak > budget
+    assert largest_tokens(nllb_600m, TrainingSetup(world_size=1), 8 * GIB) == 0  # 16 B/param
+
+
+def test_a_run_is_predicted_with_what_fits_its_budget(nllb_600m: ModelShape) -> None:
+    """The trainer's prediction (the estimator run in-process on the run's flags): the
+    --max-tokens that fits, the feature that fits most; none for a model it builds
+    differently from the run's."""
+    flags = ["--arch", "nllb_dense_600m", "--world-size", "2", "--max-tokens", "4096",
+             "--fp16"]
+    prediction = predict(RunDescription(flags, nllb_600m.parameters), budget_gib=22)
+    setup = TrainingSetup(world_size=2, tokens=4096, precision="fp16")
+    assert prediction.peak_gib == pytest.approx(estimate(nllb_600m, setup).peak / GIB)
+    assert prediction.max_tokens == largest_tokens(nllb_600m, setup, 22 * GIB)
+    assert prediction.most_with["flag"] == "--criterion chunked_label_smoothed_cross_entropy"
+    assert prediction.fit_text() == (
+        f"at most --max-tokens {prediction.max_tokens:,} fits in 22.0 GiB, "
+        f"{prediction.most_with['max_tokens']:,} with "
+        "--criterion chunked_label_smoothed_cross_entropy")
+    assert prediction.command.startswith("fairseq-shard-estimate --arch nllb_dense_600m ")
+    assert predict(RunDescription(flags, nllb_600m.parameters // 2)) is None

@@ -48,6 +48,10 @@ def test_tiny_config_trains_on_two_cpu_ranks_with_overrides(corpus: Path, tmp_pa
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output[-4000:]
     assert "and the root over 2 ranks" in output
+    # the estimator's view of the run comes from the composed config with its overrides
+    predicted = [line for line in output.splitlines() if "predicted peak: " in line]
+    assert len(predicted) == 1 and "--max-tokens 400 " in predicted[0]
+    assert "--keep-root-gathered" in predicted[0] and "--encoder-embed-dim 64 " in predicted[0]
     losses = [float(entry["loss"]) for entry in parse_logs(output)["train_inner"]]
     assert len(losses) == 15 and losses[-1] < losses[0] - 1.0
 

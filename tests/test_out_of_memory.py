@@ -7,12 +7,17 @@ the step's collectives for it (see ``fairseq_shard_plugin.out_of_memory``).
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks.harness import PLUGIN_DIR, REPO, start_ranks, training_args
+from fairseq_shard_plugin.checkpoint_space import readable
+from fairseq_shard_plugin.estimate import run as run_estimator
+from fairseq_shard_plugin.memory_model import GIB
 from fairseq_shard_plugin.out_of_memory import smaller_step_advice
 
 from tiny_training import TINY, sharded_config
@@ -41,6 +46,15 @@ def test_out_of_memory_on_one_rank_stops_every_rank_with_one_line(
     assert advice in errors[0]
     assert "attempting to recover from OOM" not in output
     assert "retrying batch" not in output
+    if phase == "train":  # the estimator's figure for this step, and the command behind it
+        figure, command = re.search(r"fairseq-shard-estimate puts this step at (.+?) per "
+                                    r"rank; compare settings with: (.+)$", errors[0]).groups()
+        flags = shlex.split(command)[1:]
+        assert flags[flags.index("--world-size") + 1] == "2"
+        assert "--tokens-per-sentence" in flags  # the failed step's own sentence length
+        rerun = run_estimator(flags)["configurations"]["requested"]["peak_gib"]
+        assert readable(rerun * GIB) == figure
+    assert "predicted peak: " in output  # logged before the first step, on rank 0
 
 
 def test_the_advice_names_only_settings_that_are_not_on(corpus: Path) -> None:

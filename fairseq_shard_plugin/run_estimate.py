@@ -1,0 +1,201 @@
+"""What ``fairseq-shard-estimate`` predicts for the run in progress.
+
+The trainer logs the predicted peak before the first step (on a GPU, with a warning when it
+exceeds the device), and a step that runs out of memory quotes the prediction with a command
+the user can rerun with other settings. The estimator's flags are read from the run's own
+configuration, so the command printed is the run as configured.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from fairseq.models import ARCH_MODEL_REGISTRY
+
+from fairseq_shard_plugin.checkpoint_space import readable
+from fairseq_shard_plugin.estimate import CHUNKED, PROG, STOCK, EstimateError
+from fairseq_shard_plugin.estimate import run as run_estimator
+from fairseq_shard_plugin.options import sharding_options
+
+logger = logging.getLogger(__name__)
+
+GIB = 1024**3
+MODELLED_OPTIMIZERS = ("adam", "sgd")
+PLUGIN_FLAGS = ("root_unit_only", "keep_root_gathered", "keep_vocabulary_gathered",
+                "reduce_in_16_bit", "reduce_vocabulary_in_16_bit")
+# Share of a GPU's memory the estimate may fill: the rest is the CUDA context, the caching
+# allocator's fragmentation and what the estimate leaves out.
+DEVICE_HEADROOM = 0.9
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The estimator's figures for a run, and the command that printed them."""
+
+    command: str
+    peak_gib: float
+    peak_phase: str
+    budget_gib: float | None = None
+    max_tokens: int | None = None  # within the budget
+    most_with: dict | None = None  # the feature that fits the most tokens, and how many
+
+    def fit_text(self) -> str:
+        """Which --max-tokens fit within the budget, as a clause ("" without a budget)."""
+        if self.budget_gib is None or self.max_tokens is None:
+            return ""
+        text = (f"at most --max-tokens {self.max_tokens:,} fits in {self.budget_gib:.1f} GiB"
+                if self.max_tokens else
+                f"its model state alone exceeds {self.budget_gib:.1f} GiB")
+        if self.most_with is not None:
+            text += f", {self.most_with['max_tokens']:,} with {self.most_with['flag']}"
+        return text
+
+
+@dataclass(frozen=True)
+class RunDescription:
+    """A run as the estimator's flags, and its model's parameter count to check them by."""
+
+    flags: list[str]
+    parameters: int
+
+
+def _layer_sizes(layer: torch.nn.Module) -> tuple[int, int, int, float] | None:
+    """(d, ffn, heads, attention dropout) of a fairseq transformer layer."""
+    fc1, attention = getattr(layer, "fc1", None), getattr(layer, "self_attn", None)
+    if not (isinstance(fc1, torch.nn.Linear) and hasattr(attention, "num_heads")):
+        return None
+    dropout = getattr(getattr(attention, "dropout_module", None), "p", 0.0)
+    return fc1.in_features, fc1.out_features, attention.num_heads, float(dropout)
+
+
+def model_flags(model: torch.nn.Module) -> list[str] | None:
+    """The estimator's size flags read from a built (unsharded) encoder-decoder transformer,
+    whatever configuration built it (flags, an arch's defaults, Hydra's nested keys)."""
+    encoder, decoder = getattr(model, "encoder", None), getattr(model, "decoder", None)
+    layers = (getattr(encoder, "layers", None), getattr(decoder, "layers", None))
+    embeddings = getattr(decoder, "embed_tokens", None)
+    if not (layers[0] and layers[1] and isinstance(embeddings, torch.nn.Embedding)):
+        return None
+    sizes = [_layer_sizes(side[0]) for side in layers]
+    if None in sizes:
+        return None
+    flags = ["--vocab", str(embeddings.num_embeddings)]
+    for side, count, (dim, ffn, heads, _) in zip(
+            ("encoder", "decoder"), (len(layers[0]), len(layers[1])), sizes, strict=True):
+        flags += [f"--{side}-layers", str(count), f"--{side}-embed-dim", str(dim),
+                  f"--{side}-ffn-embed-dim", str(ffn), f"--{side}-attention-heads", str(heads)]
+    flags += ["--attention-dropout", str(max(size[3] for size in sizes))]  # type: ignore[index]
+    shared = getattr(encoder, "embed_tokens", None) is embeddings
+    return [*flags, "--share-all-embeddings" if shared else "--no-share-all-embeddings"]
+
+
+def describe_run(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> RunDescription | None:
+    """This run as ``fairseq-shard-estimate`` flags, or None where the estimator does not
+    model it (not an encoder-decoder transformer, no --max-tokens, another optimizer or
+    criterion). Call it before the model is sharded."""
+    arch = getattr(cfg.model, "arch", None) or getattr(cfg.model, "_name", None)
+    optimizer = getattr(cfg.optimizer, "_name", None)
+    criterion = getattr(cfg.criterion, "_name", None)
+    sizes = model_flags(model)
+    if (sizes is None or arch not in ARCH_MODEL_REGISTRY or not cfg.dataset.max_tokens
+            or optimizer not in MODELLED_OPTIMIZERS or criterion not in (STOCK, CHUNKED)):
+        return None
+    flags = ["--arch", str(arch), *sizes, "--world-size", str(shard_group_size),
+             "--max-tokens", str(cfg.dataset.max_tokens), "--optimizer", optimizer,
+             "--criterion", criterion]
+    for name in ("memory_efficient_fp16", "fp16", "memory_efficient_bf16", "bf16"):
+        if getattr(cfg.common, name, False):
+            flags.append("--" + name.replace("_", "-"))
+            break
+    if criterion == CHUNKED:
+        flags += ["--loss-chunk-tokens", str(cfg.criterion.loss_chunk_tokens)]
+    options = sharding_options(cfg.task)
+    flags += ["--" + name.replace("_", "-") for name in PLUGIN_FLAGS if getattr(options, name)]
+    if getattr(cfg.model, "checkpoint_activations", False):
+        flags.append("--checkpoint-activations")
+    if cfg.distributed_training.cpu_offload:
+        flags.append("--cpu-offload")
+    if cfg.distributed_training.no_reshard_after_forward:
+        flags.append("--no-reshard-after-forward")
+    parameters = sum({id(p): p.numel() for p in model.parameters()}.values())
+    return RunDescription(flags, parameters)
+
+
+def predict(run: RunDescription | None, tokens_per_sentence: int | None = None,
+            budget_gib: float | None = None) -> Prediction | None:
+    """Run the estimator on ``run`` (in this process: the model is built on the meta
+    device, well under a second); None where it cannot model it, or where the model it
+    builds differs from the run's by more than 1% in parameters (an arch it reads
+    differently)."""
+    if run is None:
+        return None
+    flags = list(run.flags)
+    if tokens_per_sentence:
+        flags += ["--tokens-per-sentence", str(tokens_per_sentence)]
+    if budget_gib is not None:
+        flags += ["--memory-budget", f"{budget_gib:.2f}"]
+    try:
+        report = run_estimator(flags)
+    except EstimateError:
+        return None
+    if abs(report["model"]["parameters"] - run.parameters) > 0.01 * run.parameters:
+        return None
+    fits = report["fits"] or {}
+    requested = report["configurations"]["requested"]
+    return Prediction(
+        command=shlex.join([PROG, *flags]), peak_gib=requested["peak_gib"],
+        peak_phase=requested["peak_phase"], budget_gib=budget_gib,
+        max_tokens=fits.get("max_tokens", {}).get("requested"),
+        most_with=fits.get("most_with"),
+    )
+
+
+def tokens_per_sentence(samples: Any) -> int | None:
+    """Average target tokens per sentence of a step's samples, if they say."""
+    tokens = sentences = 0
+    for sample in samples if isinstance(samples, list) else [samples]:
+        if isinstance(sample, dict) and sample.get("nsentences"):
+            tokens += int(sample.get("ntokens", 0))
+            sentences += int(sample["nsentences"])
+    return round(tokens / sentences) if sentences and tokens else None
+
+
+def device_budget_gib(device: torch.device) -> float | None:
+    """What the estimate may fill on ``device``: most of a GPU's memory; None on CPU (the
+    host's memory is shared with everything else)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory * DEVICE_HEADROOM / GIB
+
+
+def log_predicted_peak(run: RunDescription | None, device: torch.device) -> None:
+    """Before the first step: the predicted peak, and a warning where it will not fit."""
+    budget = device_budget_gib(device)
+    prediction = predict(run, budget_gib=budget)
+    if prediction is None:
+        logger.info(f"{PROG} does not model this run (an encoder-decoder transformer with "
+                    "--max-tokens, Adam or SGD and the label-smoothed loss): no prediction")
+        return
+    logger.info(f"predicted peak: {readable(prediction.peak_gib * GIB)} per rank, in the "
+                f"{prediction.peak_phase} (sentences of 64 tokens); to compare settings: "
+                f"{prediction.command}")
+    if budget is not None and prediction.peak_gib > budget:
+        logger.warning(f"the predicted peak exceeds {budget:.1f} GiB, {DEVICE_HEADROOM:.0%} "
+                       f"of this GPU's memory: {prediction.fit_text()}")
+
+
+def out_of_memory_clause(run: RunDescription | None, samples: Any,
+                         device: torch.device) -> str | None:
+    """What the estimator says of a step that ran out of memory, as a clause for its
+    one-line error; None where it does not model the run."""
+    prediction = predict(run, tokens_per_sentence(samples), device_budget_gib(device))
+    if prediction is None:
+        return None
+    fit = prediction.fit_text()
+    return (f"{PROG} puts this step at {readable(prediction.peak_gib * GIB)} per rank"
+            + (f" ({fit})" if fit else "")
+            + f"; compare settings with: {prediction.command}")
