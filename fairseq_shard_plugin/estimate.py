@@ -35,6 +35,9 @@ from fairseq_shard_plugin.memory_model import (
 PROG = "fairseq-shard-estimate"
 CHUNKED = "chunked_label_smoothed_cross_entropy"
 STOCK = "label_smoothed_cross_entropy"
+# fairseq's switches that add parameters (layer norms), passed on as they are
+LAYER_NORM_SWITCHES = ("encoder_normalize_before", "decoder_normalize_before",
+                       "layernorm_embedding")
 SIZE_FLAGS = ("encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim",
               "encoder_ffn_embed_dim", "decoder_ffn_embed_dim", "encoder_attention_heads",
               "decoder_attention_heads")
@@ -55,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--" + flag.replace("_", "-"), type=int, help="override the arch's value")
     p.add_argument("--attention-dropout", type=float,
                    help="override the arch's (with dropout the attention keeps probabilities)")
+    for switch in LAYER_NORM_SWITCHES:
+        p.add_argument("--" + switch.replace("_", "-"), action="store_true",
+                       help="fairseq's flag (on where the arch sets it)")
     p.add_argument("--share-all-embeddings", action=argparse.BooleanOptionalAction,
                    default=None, help="default: the arch's (on for nllb_dense_*)")
     p.add_argument("--vocab", type=int, default=256206, help="dictionary size (source=target)")
@@ -138,11 +144,13 @@ def _fairseq_args(options: argparse.Namespace) -> list[str]:
         argv += ["--attention-dropout", str(options.attention_dropout)]
     if options.share_all_embeddings:
         argv.append("--share-all-embeddings")
+    argv += ["--" + switch.replace("_", "-") for switch in LAYER_NORM_SWITCHES
+             if getattr(options, switch)]
     return argv
 
 
 def shape_from_fairseq(options: argparse.Namespace) -> ModelShape:
-    """Build the model on the meta device through fairseq and read its sharding units."""
+    """Build the model on the meta device through fairseq and read its shape."""
     import torch
     from fairseq import options as fairseq_options
     from fairseq.data import Dictionary
@@ -150,7 +158,6 @@ def shape_from_fairseq(options: argparse.Namespace) -> ModelShape:
     from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
     import fairseq_shard_plugin  # noqa: F401  (registers the nllb_dense_* archs)
-    from fairseq_shard_plugin.wrap_policy import build_plan
 
     if options.arch not in ARCH_MODEL_REGISTRY:
         raise EstimateError(f"--arch {options.arch} is not a registered fairseq architecture")
@@ -164,32 +171,59 @@ def shape_from_fairseq(options: argparse.Namespace) -> ModelShape:
     task = TranslationTask(TranslationConfig(), dictionary, dictionary)
     with torch.device("meta"):  # shapes only
         model = task.build_model(args)
-    encoder, decoder = getattr(model, "encoder", None), getattr(model, "decoder", None)
-    if not (hasattr(encoder, "layers") and hasattr(decoder, "layers")
-            and len(encoder.layers) and len(decoder.layers)):
+    shape = shape_of(model)
+    if shape is None:
         raise EstimateError(f"--arch {options.arch} is not an encoder-decoder transformer "
                             "with encoder and decoder layers")
+    return shape
+
+
+def layer_sizes(layer: Any) -> tuple[int, int, int, float] | None:
+    """(d, ffn, heads, attention dropout) of a fairseq transformer layer, else None."""
+    fc1, attention = getattr(layer, "fc1", None), getattr(layer, "self_attn", None)
+    if not (hasattr(fc1, "in_features") and hasattr(attention, "num_heads")):
+        return None
+    dropout = getattr(getattr(attention, "dropout_module", None), "p", 0.0)
+    return fc1.in_features, fc1.out_features, attention.num_heads, float(dropout or 0.0)
+
+
+def shape_of(model: Any) -> ModelShape | None:
+    """The shape of a built, unsharded encoder-decoder transformer (on any device, meta
+    included) and its sharding units; None for other models."""
+    from fairseq_shard_plugin.wrap_policy import build_plan
+
+    encoder, decoder = getattr(model, "encoder", None), getattr(model, "decoder", None)
+    encoder_layers, decoder_layers = (getattr(encoder, "layers", None),
+                                      getattr(decoder, "layers", None))
+    embeddings = getattr(decoder, "embed_tokens", None)
+    if not (encoder_layers and decoder_layers and hasattr(embeddings, "num_embeddings")):
+        return None
+    sizes = (layer_sizes(encoder_layers[0]), layer_sizes(decoder_layers[0]))
+    if sizes[0] is None or sizes[1] is None:
+        return None
+    (encoder_dim, encoder_ffn, encoder_heads, encoder_dropout), \
+        (decoder_dim, decoder_ffn, decoder_heads, decoder_dropout) = sizes
 
     def count(modules: Any) -> int:
         unique = {id(p): p.numel() for m in modules for p in m.parameters()}
         return sum(unique.values())
 
-    layers = {id(layer) for layer in (*encoder.layers, *decoder.layers)}
+    layers = {id(layer) for layer in (*encoder_layers, *decoder_layers)}
     vocab_units = [count(unit.modules) for unit in build_plan(model).units
                    if id(unit.modules[0]) not in layers]
     buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point() and b.numel() > 1)
     return ModelShape(
-        vocabulary=len(dictionary),
-        encoder_layers=len(encoder.layers), decoder_layers=len(decoder.layers),
-        encoder_dim=args.encoder_embed_dim, decoder_dim=args.decoder_embed_dim,
-        encoder_ffn=args.encoder_ffn_embed_dim, decoder_ffn=args.decoder_ffn_embed_dim,
-        encoder_heads=args.encoder_attention_heads, decoder_heads=args.decoder_attention_heads,
+        vocabulary=embeddings.num_embeddings,
+        encoder_layers=len(encoder_layers), decoder_layers=len(decoder_layers),
+        encoder_dim=encoder_dim, decoder_dim=decoder_dim,
+        encoder_ffn=encoder_ffn, decoder_ffn=decoder_ffn,
+        encoder_heads=encoder_heads, decoder_heads=decoder_heads,
         parameters=count([model]),
-        encoder_layer_parameters=count([encoder.layers[0]]),
-        decoder_layer_parameters=count([decoder.layers[0]]),
+        encoder_layer_parameters=count([encoder_layers[0]]),
+        decoder_layer_parameters=count([decoder_layers[0]]),
         vocabulary_unit_parameters=max(vocab_units, default=0),
         buffer_elements=buffers,
-        attention_dropout=float(getattr(args, "attention_dropout", 0.0) or 0.0) > 0,
+        attention_dropout=max(encoder_dropout, decoder_dropout) > 0,
     )
 
 
@@ -218,11 +252,13 @@ def table(results: dict[str, Estimate], setup: TrainingSetup) -> str:
     return "\n".join(lines)
 
 
-def run(argv: list[str] | None = None) -> dict[str, Any]:
-    """Parse ``argv`` and return the estimate as a JSON-ready dict."""
+def run(argv: list[str] | None = None, shape: ModelShape | None = None) -> dict[str, Any]:
+    """Parse ``argv`` and return the estimate as a JSON-ready dict; ``shape``, where given
+    (a model already built), replaces the model ``argv`` describes."""
     options = parse(argv)
     _check(options)
-    shape = shape_from_fairseq(options)
+    if shape is None:
+        shape = shape_from_fairseq(options)
     setup = setup_from(options)
     results = comparison(shape, setup)
     best = helps_most(shape, setup)

@@ -17,8 +17,16 @@ import torch
 from fairseq.models import ARCH_MODEL_REGISTRY
 
 from fairseq_shard_plugin.checkpoint_space import readable
-from fairseq_shard_plugin.estimate import CHUNKED, PROG, STOCK, EstimateError
+from fairseq_shard_plugin.estimate import (
+    CHUNKED,
+    PROG,
+    STOCK,
+    EstimateError,
+    layer_sizes,
+    shape_of,
+)
 from fairseq_shard_plugin.estimate import run as run_estimator
+from fairseq_shard_plugin.memory_model import ModelShape
 from fairseq_shard_plugin.options import sharding_options
 
 logger = logging.getLogger(__name__)
@@ -57,40 +65,34 @@ class Prediction:
 
 @dataclass(frozen=True)
 class RunDescription:
-    """A run as the estimator's flags, and its model's parameter count to check them by."""
+    """A run as the estimator's flags, with its model's shape read from the model itself."""
 
     flags: list[str]
-    parameters: int
+    shape: ModelShape
 
 
-def _layer_sizes(layer: torch.nn.Module) -> tuple[int, int, int, float] | None:
-    """(d, ffn, heads, attention dropout) of a fairseq transformer layer."""
-    fc1, attention = getattr(layer, "fc1", None), getattr(layer, "self_attn", None)
-    if not (isinstance(fc1, torch.nn.Linear) and hasattr(attention, "num_heads")):
-        return None
-    dropout = getattr(getattr(attention, "dropout_module", None), "p", 0.0)
-    return fc1.in_features, fc1.out_features, attention.num_heads, float(dropout)
-
-
-def model_flags(model: torch.nn.Module) -> list[str] | None:
-    """The estimator's size flags read from a built (unsharded) encoder-decoder transformer,
+def model_flags(model: torch.nn.Module, shape: ModelShape) -> list[str]:
+    """The estimator's size flags for a built encoder-decoder transformer and its shape,
     whatever configuration built it (flags, an arch's defaults, Hydra's nested keys)."""
-    encoder, decoder = getattr(model, "encoder", None), getattr(model, "decoder", None)
-    layers = (getattr(encoder, "layers", None), getattr(decoder, "layers", None))
-    embeddings = getattr(decoder, "embed_tokens", None)
-    if not (layers[0] and layers[1] and isinstance(embeddings, torch.nn.Embedding)):
-        return None
-    sizes = [_layer_sizes(side[0]) for side in layers]
-    if None in sizes:
-        return None
-    flags = ["--vocab", str(embeddings.num_embeddings)]
-    for side, count, (dim, ffn, heads, _) in zip(
-            ("encoder", "decoder"), (len(layers[0]), len(layers[1])), sizes, strict=True):
-        flags += [f"--{side}-layers", str(count), f"--{side}-embed-dim", str(dim),
-                  f"--{side}-ffn-embed-dim", str(ffn), f"--{side}-attention-heads", str(heads)]
-    flags += ["--attention-dropout", str(max(size[3] for size in sizes))]  # type: ignore[index]
-    shared = getattr(encoder, "embed_tokens", None) is embeddings
-    return [*flags, "--share-all-embeddings" if shared else "--no-share-all-embeddings"]
+    flags = ["--vocab", str(shape.vocabulary)]
+    for side in ("encoder", "decoder"):
+        flags += [f"--{side}-layers", str(getattr(shape, f"{side}_layers")),
+                  f"--{side}-embed-dim", str(getattr(shape, f"{side}_dim")),
+                  f"--{side}-ffn-embed-dim", str(getattr(shape, f"{side}_ffn")),
+                  f"--{side}-attention-heads", str(getattr(shape, f"{side}_heads"))]
+    dropout = max(layer_sizes(model.encoder.layers[0])[3],  # type: ignore[index]
+                  layer_sizes(model.decoder.layers[0])[3])  # type: ignore[index]
+    shared = model.encoder.embed_tokens is model.decoder.embed_tokens
+    flags += ["--attention-dropout", str(dropout),
+              "--share-all-embeddings" if shared else "--no-share-all-embeddings"]
+    # the layer norms fairseq adds by switch: final ones (pre-norm), after the embeddings
+    if getattr(model.encoder, "layer_norm", None) is not None:
+        flags.append("--encoder-normalize-before")
+    if getattr(model.decoder, "layer_norm", None) is not None:
+        flags.append("--decoder-normalize-before")
+    if getattr(model.encoder, "layernorm_embedding", None) is not None:
+        flags.append("--layernorm-embedding")
+    return flags
 
 
 def describe_run(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> RunDescription | None:
@@ -100,13 +102,13 @@ def describe_run(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> Run
     arch = getattr(cfg.model, "arch", None) or getattr(cfg.model, "_name", None)
     optimizer = getattr(cfg.optimizer, "_name", None)
     criterion = getattr(cfg.criterion, "_name", None)
-    sizes = model_flags(model)
-    if (sizes is None or arch not in ARCH_MODEL_REGISTRY or not cfg.dataset.max_tokens
+    shape = shape_of(model)
+    if (shape is None or arch not in ARCH_MODEL_REGISTRY or not cfg.dataset.max_tokens
             or optimizer not in MODELLED_OPTIMIZERS or criterion not in (STOCK, CHUNKED)):
         return None
-    flags = ["--arch", str(arch), *sizes, "--world-size", str(shard_group_size),
-             "--max-tokens", str(cfg.dataset.max_tokens), "--optimizer", optimizer,
-             "--criterion", criterion]
+    flags = ["--arch", str(arch), *model_flags(model, shape),
+             "--world-size", str(shard_group_size), "--max-tokens", str(cfg.dataset.max_tokens),
+             "--optimizer", optimizer, "--criterion", criterion]
     for name in ("memory_efficient_fp16", "fp16", "memory_efficient_bf16", "bf16"):
         if getattr(cfg.common, name, False):
             flags.append("--" + name.replace("_", "-"))
@@ -121,16 +123,13 @@ def describe_run(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> Run
         flags.append("--cpu-offload")
     if cfg.distributed_training.no_reshard_after_forward:
         flags.append("--no-reshard-after-forward")
-    parameters = sum({id(p): p.numel() for p in model.parameters()}.values())
-    return RunDescription(flags, parameters)
+    return RunDescription(flags, shape)
 
 
 def predict(run: RunDescription | None, tokens_per_sentence: int | None = None,
             budget_gib: float | None = None) -> Prediction | None:
-    """Run the estimator on ``run`` (in this process: the model is built on the meta
-    device, well under a second); None where it cannot model it, or where the model it
-    builds differs from the run's by more than 1% in parameters (an arch it reads
-    differently)."""
+    """The estimator's figures for ``run``, computed in this process on the run's own model
+    shape (arithmetic only); None where it cannot model them."""
     if run is None:
         return None
     flags = list(run.flags)
@@ -139,10 +138,8 @@ def predict(run: RunDescription | None, tokens_per_sentence: int | None = None,
     if budget_gib is not None:
         flags += ["--memory-budget", f"{budget_gib:.2f}"]
     try:
-        report = run_estimator(flags)
+        report = run_estimator(flags, run.shape)
     except EstimateError:
-        return None
-    if abs(report["model"]["parameters"] - run.parameters) > 0.01 * run.parameters:
         return None
     fits = report["fits"] or {}
     requested = report["configurations"]["requested"]

@@ -10,9 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+from fairseq import tasks
 
 from benchmarks.harness import run_concurrently
-from fairseq_shard_plugin.estimate import parser, run, shape_from_fairseq
+from fairseq_shard_plugin.estimate import parse, parser, run, shape_from_fairseq, shape_of
 from fairseq_shard_plugin.memory_model import (
     GIB,
     TOKENS_STEP,
@@ -23,7 +25,9 @@ from fairseq_shard_plugin.memory_model import (
     largest_tokens,
     transformer_shape,
 )
-from fairseq_shard_plugin.run_estimate import RunDescription, predict
+from fairseq_shard_plugin.run_estimate import RunDescription, describe_run, predict
+
+from tiny_training import sharded_config
 
 REPO = Path(__file__).resolve().parents[1]
 MEASURED = REPO / "benchmarks" / "results" / "memory.json"
@@ -317,12 +321,11 @@ def test_the_largest_batch_within_a_budget_is_at_its_edge(nllb_600m: ModelShape)
 
 
 def test_a_run_is_predicted_with_what_fits_its_budget(nllb_600m: ModelShape) -> None:
-    """The trainer's prediction (the estimator run in-process on the run's flags): the
-    --max-tokens that fits, the feature that fits most; none for a model it builds
-    differently from the run's."""
+    """The trainer's prediction (the estimator run in-process on the run's own shape):
+    the --max-tokens that fits and the feature that fits the most."""
     flags = ["--arch", "nllb_dense_600m", "--world-size", "2", "--max-tokens", "4096",
              "--fp16"]
-    prediction = predict(RunDescription(flags, nllb_600m.parameters), budget_gib=22)
+    prediction = predict(RunDescription(flags, nllb_600m), budget_gib=22)
     setup = TrainingSetup(world_size=2, tokens=4096, precision="fp16")
     assert prediction.peak_gib == pytest.approx(estimate(nllb_600m, setup).peak / GIB)
     assert prediction.max_tokens == largest_tokens(nllb_600m, setup, 22 * GIB)
@@ -332,4 +335,21 @@ def test_a_run_is_predicted_with_what_fits_its_budget(nllb_600m: ModelShape) -> 
         f"{prediction.most_with['max_tokens']:,} with "
         "--criterion chunked_label_smoothed_cross_entropy")
     assert prediction.command.startswith("fairseq-shard-estimate --arch nllb_dense_600m ")
-    assert predict(RunDescription(flags, nllb_600m.parameters // 2)) is None
+
+
+def test_a_run_is_described_by_flags_that_rebuild_its_model(corpus: Path) -> None:
+    """The flags the trainer prints, run through the estimator, build the model the run
+    built; runs the estimator does not model get no description."""
+    flags = ("--cpu", "--task", "sharded_translation", "--optimizer", "adam",
+             "--criterion", "label_smoothed_cross_entropy", "--max-tokens", "512",
+             "--attention-dropout", "0.1", "--bf16")
+    cfg = sharded_config(corpus, *flags)
+    with torch.device("meta"):
+        model = tasks.setup_task(cfg.task).build_model(cfg.model)
+    described = describe_run(cfg, model, 2)
+    assert described.shape == shape_of(model)
+    assert shape_from_fairseq(parse(described.flags)) == described.shape
+    assert {"--bf16", "--attention-dropout", "--world-size"} <= set(described.flags)
+    for other in (("--optimizer", "adafactor"), ("--criterion", "cross_entropy")):
+        cfg = sharded_config(corpus, *flags, *other)
+        assert describe_run(cfg, model, 2) is None
