@@ -169,6 +169,20 @@ def test_chunked_criterion_and_activation_checkpointing_match_stock_with_a_lower
     assert max(run.series("train_inner", "peak_mem_gb")) < 0.8 * plain_peak
 
 
+def test_gradient_accumulation_over_update_freq_matches_stock(corpus: Path, tmp_path: Path) -> None:
+    """--update-freq 2 (the NLLB recipes', and what the out-of-memory advice suggests):
+    each micro-batch's gradients reduce-scatter into the shards and add up there, giving
+    stock data parallelism's losses and norms."""
+    args = training_args(corpus, tmp_path, 10, max_tokens=256) + TINY + [
+        "--update-freq", "2", "--no-save"]
+    stock = run_training(args, nproc=2, plugin=False)
+    sharded = run_training([*args, "--task", "sharded_translation"], nproc=2, plugin=True)
+    for key in ("loss", "gnorm"):
+        assert len(sharded.series("train_inner", key)) == 10
+        assert relative_difference(sharded.series("train_inner", key),
+                                   stock.series("train_inner", key)) <= 1e-4
+
+
 def test_no_reshard_after_forward_keeps_units_gathered_and_trains_the_same(
     corpus: Path, tmp_path: Path, sharded_tiny_run: tuple[RunResult, Path]
 ) -> None:
