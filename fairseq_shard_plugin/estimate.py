@@ -151,7 +151,6 @@ def _fairseq_args(options: argparse.Namespace) -> list[str]:
 
 def shape_from_fairseq(options: argparse.Namespace) -> ModelShape:
     """Build the model on the meta device through fairseq and read its shape."""
-    import torch
     from fairseq import options as fairseq_options
     from fairseq.data import Dictionary
     from fairseq.models import ARCH_MODEL_REGISTRY
@@ -169,13 +168,37 @@ def shape_from_fairseq(options: argparse.Namespace) -> ModelShape:
     if options.share_all_embeddings is False:
         args.share_all_embeddings = False
     task = TranslationTask(TranslationConfig(), dictionary, dictionary)
-    with torch.device("meta"):  # shapes only
-        model = task.build_model(args)
+    model = _build_without_memory(task, args, options.arch)
     shape = shape_of(model)
     if shape is None:
         raise EstimateError(f"--arch {options.arch} is not an encoder-decoder transformer "
                             "with encoder and decoder layers")
     return shape
+
+
+def _build_without_memory(task: Any, args: argparse.Namespace, arch: str) -> Any:
+    """The model on the meta device, or with fake tensors where its initialisation reads
+    data (BART's copies its weights through the CPU); either way no memory. A model fairseq
+    cannot build for translation is an :class:`EstimateError`."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def failed(error: Exception) -> EstimateError:
+        return EstimateError(f"--arch {arch}: fairseq could not build it for translation "
+                             f"({type(error).__name__}: {error})")
+
+    try:
+        with torch.device("meta"):
+            return task.build_model(args)
+    except NotImplementedError:
+        pass
+    except Exception as error:  # noqa: BLE001 (any arch's own failure, in one line)
+        raise failed(error) from None
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return task.build_model(args)
+    except Exception as error:  # noqa: BLE001
+        raise failed(error) from None
 
 
 def layer_sizes(layer: Any) -> tuple[int, int, int, float] | None:

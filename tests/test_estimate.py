@@ -14,7 +14,14 @@ import torch
 from fairseq import tasks
 
 from benchmarks.harness import run_concurrently
-from fairseq_shard_plugin.estimate import parse, parser, run, shape_from_fairseq, shape_of
+from fairseq_shard_plugin.estimate import (
+    EstimateError,
+    parse,
+    parser,
+    run,
+    shape_from_fairseq,
+    shape_of,
+)
 from fairseq_shard_plugin.memory_model import (
     GIB,
     TOKENS_STEP,
@@ -353,3 +360,13 @@ def test_a_run_is_described_by_flags_that_rebuild_its_model(corpus: Path) -> Non
     for other in (("--optimizer", "adafactor"), ("--criterion", "cross_entropy")):
         cfg = sharded_config(corpus, *flags, *other)
         assert describe_run(cfg, model, 2) is None
+
+
+def test_bart_models_are_estimated_and_unbuildable_archs_refused_in_one_line() -> None:
+    """mBART's initialisation reads weight data, which the meta device has not: it is
+    built with fake tensors instead (still no memory), at its published 610M parameters."""
+    mbart = run(["--arch", "mbart_large", "--vocab", "250027"])["model"]
+    assert round(mbart["parameters"] / 1e6, 1) == 610.8
+    with pytest.raises(EstimateError, match=r"^--arch roberta_base: fairseq could not build "
+                                            r"it for translation \(TypeError: "):
+        run(["--arch", "roberta_base"])
