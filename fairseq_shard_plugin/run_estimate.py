@@ -98,7 +98,17 @@ def model_flags(model: torch.nn.Module, shape: ModelShape) -> list[str]:
 def describe_run(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> RunDescription | None:
     """This run as ``fairseq-shard-estimate`` flags, or None where the estimator does not
     model it (not an encoder-decoder transformer, no --max-tokens, another optimizer or
-    criterion). Call it before the model is sharded."""
+    criterion). Call it before the model is sharded. A prediction is a notice: whatever
+    goes wrong here is logged, never a reason to stop training."""
+    try:
+        return _describe_run(cfg, model, shard_group_size)
+    except Exception as error:  # noqa: BLE001
+        logger.info(f"no memory prediction for this run: {type(error).__name__}: {error}")
+        return None
+
+
+def _describe_run(cfg: Any, model: torch.nn.Module, shard_group_size: int
+                  ) -> RunDescription | None:
     arch = getattr(cfg.model, "arch", None) or getattr(cfg.model, "_name", None)
     optimizer = getattr(cfg.optimizer, "_name", None)
     criterion = getattr(cfg.criterion, "_name", None)
@@ -171,8 +181,12 @@ def device_budget_gib(device: torch.device) -> float | None:
 
 def log_predicted_peak(run: RunDescription | None, device: torch.device) -> None:
     """Before the first step: the predicted peak, and a warning where it will not fit."""
-    budget = device_budget_gib(device)
-    prediction = predict(run, budget_gib=budget)
+    try:
+        budget = device_budget_gib(device)
+        prediction = predict(run, budget_gib=budget)
+    except Exception as error:  # noqa: BLE001 (a notice, never a reason to stop training)
+        logger.info(f"no memory prediction for this run: {type(error).__name__}: {error}")
+        return
     if prediction is None:
         logger.info(f"{PROG} does not model this run (an encoder-decoder transformer with "
                     "--max-tokens, Adam or SGD and the label-smoothed loss): no prediction")
