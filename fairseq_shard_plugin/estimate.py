@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -168,7 +170,7 @@ def shape_from_fairseq(options: argparse.Namespace) -> ModelShape:
     if options.share_all_embeddings is False:
         args.share_all_embeddings = False
     task = TranslationTask(TranslationConfig(), dictionary, dictionary)
-    model = _build_without_memory(task, args, options.arch)
+    model = build_without_memory(lambda: task.build_model(args), options.arch)
     shape = shape_of(model)
     if shape is None:
         raise EstimateError(f"--arch {options.arch} is not an encoder-decoder transformer "
@@ -176,27 +178,27 @@ def shape_from_fairseq(options: argparse.Namespace) -> ModelShape:
     return shape
 
 
-def _build_without_memory(task: Any, args: argparse.Namespace, arch: str) -> Any:
-    """The model on the meta device, or with fake tensors where its initialisation reads
-    data (BART's copies its weights through the CPU); either way no memory. A model fairseq
-    cannot build for translation is an :class:`EstimateError`."""
+def build_without_memory(build: Callable[[], Any], arch: str) -> Any:
+    """``build()``'s model on the meta device, or with fake tensors where its initialisation
+    reads data (BART's copies its weights through the CPU); either way no memory. A model
+    fairseq cannot build is an :class:`EstimateError`."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def failed(error: Exception) -> EstimateError:
-        return EstimateError(f"--arch {arch}: fairseq could not build it for translation "
+        return EstimateError(f"--arch {arch}: fairseq could not build it "
                              f"({type(error).__name__}: {error})")
 
     try:
         with torch.device("meta"):
-            return task.build_model(args)
+            return build()
     except NotImplementedError:
         pass
     except Exception as error:  # noqa: BLE001 (any arch's own failure, in one line)
         raise failed(error) from None
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            return task.build_model(args)
+            return build()
     except Exception as error:  # noqa: BLE001
         raise failed(error) from None
 
@@ -345,15 +347,25 @@ def helps_most_line(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     logging.getLogger("fairseq").setLevel(logging.WARNING)  # import-time notices
     warnings.filterwarnings("ignore", category=FutureWarning)
+    from fairseq_shard_plugin.estimate_command import flags_from_training_command, split_command
+
+    flags, training_command = split_command(sys.argv[1:] if argv is None else argv)
     try:
-        report = run(argv)
+        if training_command is None:
+            report = run(flags)
+        else:
+            flags, shape = flags_from_training_command(flags, training_command)
+            report = run(flags, shape)
+            report["flags"] = flags
     except EstimateError as error:
         sys.exit(f"{PROG}: error: {error}")
     estimates = report.pop("_estimates")
-    if "--json" in (argv if argv is not None else sys.argv[1:]):
+    if "--json" in flags:
         print(json.dumps(report, indent=2))
         return
     shape, setup = report["model"], report["setup"]
+    if training_command is not None:
+        print(f"The training command as the estimator's flags: {shlex.join([PROG, *flags])}")
     print(f"{shape['parameters'] / 1e6:.1f}M parameters (vocabulary unit "
           f"{shape['vocabulary_unit_parameters'] / 1e6:.1f}M), {setup['tokens']} tokens per "
           f"rank, {setup['precision']} compute, fp32 master shards, {setup['optimizer']}")

@@ -96,26 +96,35 @@ def model_flags(model: torch.nn.Module, shape: ModelShape) -> list[str]:
 
 
 def describe_run(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> RunDescription | None:
-    """This run as ``fairseq-shard-estimate`` flags, or None where the estimator does not
-    model it (not an encoder-decoder transformer, no --max-tokens, another optimizer or
-    criterion). Call it before the model is sharded. A prediction is a notice: whatever
-    goes wrong here is logged, never a reason to stop training."""
+    """:func:`run_description`, or None (with the reason logged) where the estimator does
+    not model the run. A prediction is a notice: whatever goes wrong here is logged, never
+    a reason to stop training."""
     try:
-        return _describe_run(cfg, model, shard_group_size)
+        return run_description(cfg, model, shard_group_size)
     except Exception as error:  # noqa: BLE001
-        logger.info(f"no memory prediction for this run: {type(error).__name__}: {error}")
+        logger.info(f"no memory prediction for this run: {error}")
         return None
 
 
-def _describe_run(cfg: Any, model: torch.nn.Module, shard_group_size: int
-                  ) -> RunDescription | None:
+def run_description(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> RunDescription:
+    """The run configured by ``cfg`` (fairseq's config, from flags or Hydra) as
+    ``fairseq-shard-estimate`` flags, its shape read from ``model``, built and not sharded
+    yet. :class:`EstimateError` says what the estimator does not model."""
     arch = getattr(cfg.model, "arch", None) or getattr(cfg.model, "_name", None)
     optimizer = getattr(cfg.optimizer, "_name", None)
     criterion = getattr(cfg.criterion, "_name", None)
     shape = shape_of(model)
-    if (shape is None or arch not in ARCH_MODEL_REGISTRY or not cfg.dataset.max_tokens
-            or optimizer not in MODELLED_OPTIMIZERS or criterion not in (STOCK, CHUNKED)):
-        return None
+    if shape is None or arch not in ARCH_MODEL_REGISTRY:
+        raise EstimateError(f"--arch {arch} is not an encoder-decoder transformer the "
+                            "estimator models")
+    if not cfg.dataset.max_tokens:
+        raise EstimateError("the estimator models batches of --max-tokens, not --batch-size")
+    if optimizer not in MODELLED_OPTIMIZERS:
+        raise EstimateError(f"--optimizer {optimizer} is not modelled (one of "
+                            f"{', '.join(MODELLED_OPTIMIZERS)})")
+    if criterion not in (STOCK, CHUNKED):
+        raise EstimateError(f"--criterion {criterion} is not modelled (one of {STOCK}, "
+                            f"{CHUNKED})")
     flags = ["--arch", str(arch), *model_flags(model, shape),
              "--world-size", str(shard_group_size), "--max-tokens", str(cfg.dataset.max_tokens),
              "--optimizer", optimizer, "--criterion", criterion]
@@ -138,8 +147,8 @@ def _describe_run(cfg: Any, model: torch.nn.Module, shard_group_size: int
 
 def predict(run: RunDescription | None, tokens_per_sentence: int | None = None,
             budget_gib: float | None = None) -> Prediction | None:
-    """The estimator's figures for ``run``, computed in this process on the run's own model
-    shape (arithmetic only); None where it cannot model them."""
+    """The estimator's figures for ``run`` (None: no run described), computed in this
+    process on the run's own model shape (arithmetic only)."""
     if run is None:
         return None
     flags = list(run.flags)
@@ -147,10 +156,7 @@ def predict(run: RunDescription | None, tokens_per_sentence: int | None = None,
         flags += ["--tokens-per-sentence", str(tokens_per_sentence)]
     if budget_gib is not None:
         flags += ["--memory-budget", f"{budget_gib:.2f}"]
-    try:
-        report = run_estimator(flags, run.shape)
-    except EstimateError:
-        return None
+    report = run_estimator(flags, run.shape)
     fits = report["fits"] or {}
     requested = report["configurations"]["requested"]
     return Prediction(
@@ -185,11 +191,9 @@ def log_predicted_peak(run: RunDescription | None, device: torch.device) -> None
         budget = device_budget_gib(device)
         prediction = predict(run, budget_gib=budget)
     except Exception as error:  # noqa: BLE001 (a notice, never a reason to stop training)
-        logger.info(f"no memory prediction for this run: {type(error).__name__}: {error}")
+        logger.info(f"no memory prediction for this run: {error}")
         return
-    if prediction is None:
-        logger.info(f"{PROG} does not model this run (an encoder-decoder transformer with "
-                    "--max-tokens, Adam or SGD and the label-smoothed loss): no prediction")
+    if prediction is None:  # describe_run logged why
         return
     logger.info(f"predicted peak: {readable(prediction.peak_gib * GIB)} per rank, in the "
                 f"{prediction.peak_phase} (sentences of 64 tokens); to compare settings: "

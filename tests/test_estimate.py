@@ -13,7 +13,7 @@ import pytest
 import torch
 from fairseq import tasks
 
-from benchmarks.harness import run_concurrently
+from benchmarks.harness import PLUGIN_DIR, run_concurrently
 from fairseq_shard_plugin.estimate import (
     EstimateError,
     parse,
@@ -32,8 +32,14 @@ from fairseq_shard_plugin.memory_model import (
     largest_tokens,
     transformer_shape,
 )
-from fairseq_shard_plugin.run_estimate import RunDescription, describe_run, predict
+from fairseq_shard_plugin.run_estimate import (
+    RunDescription,
+    describe_run,
+    predict,
+    run_description,
+)
 
+from tiny_training import TINY as TINY_TRAINING
 from tiny_training import sharded_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -234,11 +240,19 @@ def test_estimate_matches_a_small_measured_step(
 
 
 @pytest.fixture(scope="module")
-def cli(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
+def cli(
+    corpus: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, subprocess.CompletedProcess]:
     """The command's runs the tests below read, started at once (each is mostly start-up)."""
     adafactor = tmp_path_factory.mktemp("configs") / "adafactor.yaml"
     adafactor.write_text("optimizer:\n  _name: adafactor\n")
+    training = [str(corpus), *TINY_TRAINING, "--task", "sharded_translation", "--user-dir",
+                str(PLUGIN_DIR), "--ddp-backend", "fully_sharded", "--optimizer", "adam",
+                "--criterion", "label_smoothed_cross_entropy", "--max-tokens", "512", "--bf16",
+                "--checkpoint-activations", "--keep-vocabulary-gathered"]
     return run_concurrently({
+        "training command": [str(SCRIPT), "--world-size", "4", "--json", "--", *training],
+        "bad training command": [str(SCRIPT), "--", str(corpus), "--arch", "no_such_arch"],
         "table": [str(SCRIPT), *TINY, "--vocab", "1000", "--max-tokens", "256", "--fp16",
                   "--memory-budget", "0.05"],
         "json": [str(SCRIPT), *TINY, "--vocab", "1000", "--max-tokens", "256",
@@ -278,6 +292,30 @@ def test_keeping_the_vocabulary_gathered_is_suggested_only_where_it_costs_no_pea
         5.81, abs=0.01)}  # as measured at 600M (memory.json): 5.81 GiB with and without
     assert run(nllb)["free_speedup"] is None  # stock loss: the copy would raise its peak
     assert run([*nllb, *features, "--keep-vocabulary-gathered"])["free_speedup"] is None
+
+
+def test_a_training_command_is_estimated_as_the_trainer_describes_it(
+    cli: dict[str, subprocess.CompletedProcess]
+) -> None:
+    """``fairseq-shard-estimate -- <fairseq-train arguments>`` reads the command as the
+    trainer reads its run; the flags it reports rebuild the same model and estimate."""
+    completed = cli["training command"]
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(completed.stdout[completed.stdout.index("{\n"):])
+    flags = report["flags"]
+    for expected in (["--world-size", "4"], ["--max-tokens", "512"], ["--bf16"],
+                     ["--checkpoint-activations"], ["--keep-vocabulary-gathered"]):
+        at = flags.index(expected[0])
+        assert flags[at:at + len(expected)] == expected
+    assert flags.count("--world-size") == 1
+    rebuilt = run(flags)
+    assert rebuilt["model"] == report["model"]
+    assert rebuilt["configurations"]["requested"] == report["configurations"]["requested"]
+    bad = cli["bad training command"]
+    assert bad.returncode != 0
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "fairseq-shard-estimate: error: the training command after --: argument --arch/-a: "
+        "invalid choice: 'no_such_arch'")
 
 
 def test_bad_input_is_one_line_naming_the_flag(
@@ -357,9 +395,14 @@ def test_a_run_is_described_by_flags_that_rebuild_its_model(corpus: Path) -> Non
     assert described.shape == shape_of(model)
     assert shape_from_fairseq(parse(described.flags)) == described.shape
     assert {"--bf16", "--attention-dropout", "--world-size"} <= set(described.flags)
-    for other in (("--optimizer", "adafactor"), ("--criterion", "cross_entropy")):
+    for other, reason in ((("--optimizer", "adafactor"), "--optimizer adafactor is not "
+                           "modelled (one of adam, sgd)"),
+                          (("--criterion", "cross_entropy"), "--criterion cross_entropy is "
+                           "not modelled")):
         cfg = sharded_config(corpus, *flags, *other)
-        assert describe_run(cfg, model, 2) is None
+        with pytest.raises(EstimateError, match=re.escape(reason)):
+            run_description(cfg, model, 2)
+        assert describe_run(cfg, model, 2) is None  # the trainer's: logged, never raised
 
 
 def test_bart_models_are_estimated_and_unbuildable_archs_refused_in_one_line() -> None:
@@ -368,5 +411,5 @@ def test_bart_models_are_estimated_and_unbuildable_archs_refused_in_one_line() -
     mbart = run(["--arch", "mbart_large", "--vocab", "250027"])["model"]
     assert round(mbart["parameters"] / 1e6, 1) == 610.8
     with pytest.raises(EstimateError, match=r"^--arch roberta_base: fairseq could not build "
-                                            r"it for translation \(TypeError: "):
+                                            r"it \(TypeError: "):
         run(["--arch", "roberta_base"])

@@ -1,0 +1,88 @@
+"""``fairseq-shard-estimate ... -- <fairseq-train arguments>``: the estimate of a training
+command as written.
+
+The arguments after ``--`` are parsed by fairseq's own training parser, the task is set up
+(it reads the dictionaries from the data directory, no training data) and the model is
+built without memory; the estimator's flags are then read from that configuration and
+model exactly as the trainer reads them before its first step
+(:func:`fairseq_shard_plugin.run_estimate.run_description`). The estimator's own options
+given before ``--`` (``--world-size``, ``--memory-budget``, ``--tokens-per-sentence``,
+``--json``, ...) come after them, so they override what the command says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from typing import Any
+
+from fairseq_shard_plugin.estimate import EstimateError, build_without_memory
+from fairseq_shard_plugin.memory_model import ModelShape
+
+
+def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """(the estimator's flags, the training command's arguments or None without ``--``)."""
+    if "--" not in argv:
+        return argv, None
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
+def _take_world_size(estimator_flags: list[str]) -> tuple[int, list[str]]:
+    """``--world-size`` as given before ``--`` (a training command does not say how many
+    ranks will run it; default 2), and the other flags."""
+    world_size, rest, flags = 2, [], iter(estimator_flags)
+    for flag in flags:
+        if flag == "--world-size":
+            world_size = int(next(flags, "2"))
+        elif flag.startswith("--world-size="):
+            world_size = int(flag.split("=", 1)[1])
+        else:
+            rest.append(flag)
+    return world_size, rest
+
+
+def _parse_training_command(train_argv: list[str]) -> Any:
+    """fairseq's config for ``fairseq-train train_argv``; its parser's complaint, which
+    argparse prints with a usage block and exits on, becomes one line."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    import fairseq_shard_plugin  # noqa: F401  (the plugin's tasks, criteria and archs)
+
+    complaint = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(complaint):
+            args = options.parse_args_and_arch(options.get_training_parser(), train_argv)
+    except SystemExit:
+        lines = complaint.getvalue().strip().splitlines()
+        reason = lines[-1].split("error: ", 1)[-1] if lines else "not a fairseq-train command"
+        reason = reason.split(" (choose from ", 1)[0]  # not fairseq's hundreds of archs
+        raise EstimateError(f"the training command after --: {reason}") from None
+    logging.getLogger("hydra").setLevel(logging.WARNING)
+    with warnings.catch_warnings():  # Hydra's deprecation notices of fairseq's compose call
+        warnings.simplefilter("ignore")
+        return convert_namespace_to_omegaconf(args)
+
+
+def flags_from_training_command(estimator_flags: list[str], train_argv: list[str]
+                                ) -> tuple[list[str], ModelShape]:
+    """The estimator's flags for ``fairseq-train train_argv`` followed by
+    ``estimator_flags``, and the shape of the model it builds."""
+    from fairseq import tasks
+
+    from fairseq_shard_plugin.run_estimate import run_description
+
+    cfg = _parse_training_command(train_argv)
+    try:
+        task = tasks.setup_task(cfg.task)
+    except (OSError, ValueError, KeyError) as error:
+        raise EstimateError(f"the training command after --: its task could not be set up "
+                            f"({type(error).__name__}: {error})") from None
+    arch = getattr(cfg.model, "arch", None) or getattr(cfg.model, "_name", None)
+    model = build_without_memory(lambda: task.build_model(cfg.model), str(arch))
+    world_size, others = _take_world_size(estimator_flags)
+    described = run_description(cfg, model, world_size)
+    return [*described.flags, *others], described.shape
