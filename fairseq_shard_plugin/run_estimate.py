@@ -13,6 +13,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from fairseq.models import ARCH_MODEL_REGISTRY
 
@@ -185,18 +186,40 @@ def device_budget_gib(device: torch.device) -> float | None:
     return torch.cuda.get_device_properties(device).total_memory * DEVICE_HEADROOM / GIB
 
 
-def log_predicted_peak(run: RunDescription | None, device: torch.device) -> None:
-    """Before the first step: the predicted peak, and a warning where it will not fit."""
+def mean_sentence_tokens(task: Any, subsets: str) -> int | None:
+    """Mean tokens per sentence (the longer side of each pair, as fairseq's batching counts
+    them) of the first loaded dataset among ``subsets``; fairseq loads the validation
+    subsets before it builds the trainer."""
+    datasets = getattr(task, "datasets", None) or {}
+    for subset in (subsets or "").split(","):
+        sizes = getattr(datasets.get(subset), "sizes", None)
+        if sizes is None:
+            continue
+        lengths = np.asarray(sizes)
+        if lengths.ndim == 2:
+            lengths = lengths.max(axis=1)
+        if lengths.ndim == 1 and len(lengths):
+            return max(1, round(float(lengths.mean())))
+    return None
+
+
+def log_predicted_peak(run: RunDescription | None, device: torch.device, task: Any = None,
+                       valid_subsets: str = "") -> None:
+    """Before the first step: the predicted peak, and a warning where it will not fit; at
+    the mean sentence length of the loaded validation data (the estimator's 64 without)."""
     try:
+        sentence_tokens = mean_sentence_tokens(task, valid_subsets)
         budget = device_budget_gib(device)
-        prediction = predict(run, budget_gib=budget)
+        prediction = predict(run, sentence_tokens, budget_gib=budget)
     except Exception as error:  # noqa: BLE001 (a notice, never a reason to stop training)
         logger.info(f"no memory prediction for this run: {error}")
         return
     if prediction is None:  # describe_run logged why
         return
+    sentences = (f"sentences of {sentence_tokens} tokens as in the validation data"
+                 if sentence_tokens else "sentences of 64 tokens")
     logger.info(f"predicted peak: {readable(prediction.peak_gib * GIB)} per rank, in the "
-                f"{prediction.peak_phase} (sentences of 64 tokens); to compare settings: "
+                f"{prediction.peak_phase} ({sentences}); to compare settings: "
                 f"{prediction.command}")
     if budget is not None and prediction.peak_gib > budget:
         logger.warning(f"the predicted peak exceeds {budget:.1f} GiB, {DEVICE_HEADROOM:.0%} "

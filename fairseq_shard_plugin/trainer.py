@@ -176,7 +176,8 @@ class ShardedTrainer(Trainer):
             watch_offloaded_state(self._memory_probe, self._model.parameters())
         self._space_reported = False  # see _report_checkpoint_space
         if self.is_data_parallel_master:
-            log_predicted_peak(self._run_description, self.device)
+            log_predicted_peak(self._run_description, self.device, task,
+                               cfg.dataset.valid_subset)
         # read after every update by integration hook 9 (save and stop on a signal)
         self.signal_stop = signal_stop.install(
             signal_stop.parse_signals(self.sharding_options.save_on_signal))

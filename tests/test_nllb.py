@@ -96,6 +96,8 @@ def test_nllb_sweep_trains_with_only_user_dir_and_task_changed(
     assert len(losses) == 25
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
     assert "peak_mem_gb" in run.logs["train_inner"][-1]
+    predicted = [line for line in run.output.splitlines() if "predicted peak: " in line]
+    assert len(predicted) == 1 and "--memory-efficient-fp16" in predicted[0], run.output[-3000:]
 
 
 # options that exercise every kind of conversion the task's parser does: comma lists, a
