@@ -7,15 +7,17 @@ d 1024, ffn 4096, 16 heads, shared embeddings, pre-norm), so that stock fairseq,
 not know the plugin's architecture names, trains the same thing; the joined dictionary is
 padded to the NLLB vocabulary of 256,206 entries. Each run is measured by
 ``fairseq-shard-measure-train`` (CUDA peak allocated and reserved) and its loss read from
-the log. One device means world size 1: these runs compare the code paths and the memory
-features; the per-rank figures at world size 2 come from ``benchmarks.memory --cuda``,
-which ``gpu_check.sh`` runs next.
+the log, next to the peak the plugin predicted before its first step (the estimator's
+constants were measured on CPU: this is its first check on CUDA). One device means world
+size 1: these runs compare the code paths and the memory features; the per-rank figures at
+world size 2 come from ``benchmarks.memory --cuda``, which ``gpu_check.sh`` runs next.
 
     python -m benchmarks.gpu_check        # writes benchmarks/results/gpu_check.{md,json}
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from benchmarks.harness import REPO, run_training, training_args, transformer_args, write_results
@@ -49,6 +51,15 @@ def pad_dictionary(data: Path, size: int) -> None:
         path.write_text("\n".join(lines + extra) + "\n")
 
 
+def predicted_peak_gib(output: str) -> float | None:
+    """The plugin's start-up prediction (``predicted peak: 6.13 GiB per rank, ...``), in
+    GiB; None for stock fairseq."""
+    match = re.search(r"predicted peak: ([\d.]+) (GiB|MiB) per rank", output)
+    if match is None:
+        return None
+    return round(float(match.group(1)) / (1024 if match.group(2) == "MiB" else 1), 3)
+
+
 def main() -> None:
     work = REPO / "demo_work" / "gpu_check"
     data = make_corpus(work, vocab=16000, train=20000, valid=200, max_len=60)
@@ -67,6 +78,7 @@ def main() -> None:
             "returncode": run.returncode,
             "cuda_peak_allocated_gib": round(memory.get("cuda_peak_allocated_bytes", 0) / GIB, 3),
             "cuda_peak_reserved_gib": round(memory.get("cuda_peak_reserved_bytes", 0) / GIB, 3),
+            "predicted_peak_gib": predicted_peak_gib(run.output),
             "final_loss": run.series("train_inner", "loss")[-1:] or None,
             "words_per_second": run.series("train", "train_wps")[-1:] or None,
         })
@@ -75,7 +87,8 @@ def main() -> None:
             rows[-1]["error_tail"] = run.output[-2000:]
     table = write_results("gpu_check", rows, [
         ("run", "run"), ("CUDA peak allocated (GiB)", "cuda_peak_allocated_gib"),
-        ("CUDA peak reserved (GiB)", "cuda_peak_reserved_gib"), ("final loss", "final_loss"),
+        ("CUDA peak reserved (GiB)", "cuda_peak_reserved_gib"),
+        ("predicted peak (GiB)", "predicted_peak_gib"), ("final loss", "final_loss"),
         ("words/s", "words_per_second"),
     ], "Produced by `bash benchmarks/gpu_check.sh` on one GPU: the NLLB-600M shape (12+12 "
        f"layers, d 1024, ffn 4096, vocabulary {NLLB_VOCABULARY:,}), 4096 tokens per batch, "
