@@ -74,6 +74,9 @@ CONFIGURATIONS = (
 )
 # measured only when named in --configurations (not part of the default table)
 OPTIONAL_CONFIGURATIONS = (
+    Configuration("plugin+cross-entropy", "fairseq's cross_entropy criterion (no label "
+                  "smoothing) instead of label_smoothed_cross_entropy", None,
+                  ("--criterion", "cross_entropy")),
     Configuration("plugin+zero2", "+ --no-reshard-after-forward: every unit gathered from "
                   "its forward to its backward", None, (*STOCK_LOSS, "--no-reshard-after-forward")),
     Configuration("plugin+chunked-loss+ac+zero2", "chunked loss, activation checkpointing and "
@@ -99,7 +102,8 @@ def fairseq_flags(data: Path, options: argparse.Namespace, config: Configuration
         "--ddp-backend", "fully_sharded", "--optimizer", options.optimizer,
         *(["--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-6"]
           if options.optimizer == "adam" else []),
-        "--lr", "1e-4", "--label-smoothing", "0.1", "--dropout", "0.1",
+        "--lr", "1e-4", "--dropout", "0.1",
+        *([] if "cross_entropy" in config.flags else ["--label-smoothing", "0.1"]),
         "--max-tokens", str(options.tokens), "--clip-norm", "1.0", *precision,
         *(["--loss-chunk-tokens", str(options.loss_chunk_tokens)]
           if "chunked_label_smoothed_cross_entropy" in config.flags else []),

@@ -20,8 +20,8 @@ from fairseq.models import ARCH_MODEL_REGISTRY
 from fairseq_shard_plugin.checkpoint_space import readable
 from fairseq_shard_plugin.estimate import (
     CHUNKED,
+    CRITERIA,
     PROG,
-    STOCK,
     EstimateError,
     layer_sizes,
     shape_of,
@@ -123,9 +123,9 @@ def run_description(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> 
     if optimizer not in MODELLED_OPTIMIZERS:
         raise EstimateError(f"--optimizer {optimizer} is not modelled (one of "
                             f"{', '.join(MODELLED_OPTIMIZERS)})")
-    if criterion not in (STOCK, CHUNKED):
-        raise EstimateError(f"--criterion {criterion} is not modelled (one of {STOCK}, "
-                            f"{CHUNKED})")
+    if criterion not in CRITERIA:
+        raise EstimateError(f"--criterion {criterion} is not modelled (one of "
+                            f"{', '.join(CRITERIA)})")
     flags = ["--arch", str(arch), *model_flags(model, shape),
              "--world-size", str(shard_group_size), "--max-tokens", str(cfg.dataset.max_tokens),
              "--optimizer", optimizer, "--criterion", criterion]
