@@ -6,7 +6,9 @@ rank for unsharded training, stock fairseq's ``fully_sharded`` policy and the re
 configuration side by side, and which feature would lower the peak most.
 
     fairseq-shard-estimate --arch nllb_dense_600m --world-size 2 --max-tokens 4096 --fp16
+    fairseq-shard-estimate --world-size 2 --memory-budget 22 -- <fairseq-train arguments>
 """
+
 
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ from fairseq_shard_plugin.memory_model import (
 )
 
 PROG = "fairseq-shard-estimate"
+EPILOG = ("A training command as written: put its fairseq-train arguments after --; the "
+          "estimator's flags are read from it (printed first) and options given before -- "
+          "override them.")
 CHUNKED = "chunked_label_smoothed_cross_entropy"
 STOCK = "label_smoothed_cross_entropy"
 # fairseq's criteria that hold the same tensors as STOCK (measured equal to 0.01%:
@@ -54,7 +59,9 @@ class EstimateError(ValueError):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                usage=f"{PROG} [options] [-- fairseq-train arguments]",
+                                epilog=EPILOG)
     p.add_argument("--config", help="a fairseq-hydra-train config (e.g. configs/nllb/"
                    "dense_600m.yaml): its model, precision, optimizer, criterion, max tokens "
                    "and plugin keys become the defaults; flags given as well override them")
