@@ -27,12 +27,11 @@ from fairseq_shard_plugin.estimate import (
     shape_of,
 )
 from fairseq_shard_plugin.estimate import run as run_estimator
-from fairseq_shard_plugin.memory_model import ModelShape
+from fairseq_shard_plugin.memory_model import GIB, ModelShape
 from fairseq_shard_plugin.options import sharding_options
 
 logger = logging.getLogger(__name__)
 
-GIB = 1024**3
 MODELLED_OPTIMIZERS = ("adam", "sgd")
 PLUGIN_FLAGS = ("root_unit_only", "keep_root_gathered", "keep_vocabulary_gathered",
                 "reduce_in_16_bit", "reduce_vocabulary_in_16_bit")
