@@ -47,6 +47,7 @@ class Prediction:
     command: str
     peak_gib: float
     peak_phase: str
+    host_gib: float = 0.0  # model state on the host (--cpu-offload), not in the peak
     budget_gib: float | None = None
     max_tokens: int | None = None  # within the budget
     most_with: dict | None = None  # the feature that fits the most tokens, and how many
@@ -161,7 +162,8 @@ def predict(run: RunDescription | None, tokens_per_sentence: int | None = None,
     requested = report["configurations"]["requested"]
     return Prediction(
         command=shlex.join([PROG, *flags]), peak_gib=requested["peak_gib"],
-        peak_phase=requested["peak_phase"], budget_gib=budget_gib,
+        peak_phase=requested["peak_phase"], host_gib=requested["host_gib"],
+        budget_gib=budget_gib,
         max_tokens=fits.get("max_tokens", {}).get("requested"),
         most_with=fits.get("most_with"),
     )
@@ -217,7 +219,9 @@ def log_predicted_peak(run: RunDescription | None, device: torch.device, task: A
         return
     sentences = (f"sentences of {sentence_tokens} tokens as in the validation data"
                  if sentence_tokens else "sentences of 64 tokens")
-    logger.info(f"predicted peak: {readable(prediction.peak_gib * GIB)} per rank, in the "
+    host = (f" on the device, {readable(prediction.host_gib * GIB)} of model state on the host"
+            if prediction.host_gib else "")
+    logger.info(f"predicted peak: {readable(prediction.peak_gib * GIB)} per rank{host}, in the "
                 f"{prediction.peak_phase} ({sentences}); to compare settings: "
                 f"{prediction.command}")
     if budget is not None and prediction.peak_gib > budget:
