@@ -21,6 +21,7 @@ from fairseq_shard_plugin.checkpoint_space import readable
 from fairseq_shard_plugin.estimate import (
     CHUNKED,
     CRITERIA,
+    LAYER_NORM_SWITCHES,
     PROG,
     EstimateError,
     layer_sizes,
@@ -87,13 +88,11 @@ def model_flags(model: torch.nn.Module, shape: ModelShape) -> list[str]:
     flags += ["--attention-dropout", str(dropout),
               "--share-all-embeddings" if shared else "--no-share-all-embeddings"]
     # the layer norms fairseq adds by switch: final ones (pre-norm), after the embeddings
-    if getattr(model.encoder, "layer_norm", None) is not None:
-        flags.append("--encoder-normalize-before")
-    if getattr(model.decoder, "layer_norm", None) is not None:
-        flags.append("--decoder-normalize-before")
-    if getattr(model.encoder, "layernorm_embedding", None) is not None:
-        flags.append("--layernorm-embedding")
-    return flags
+    present = {"encoder_normalize_before": getattr(model.encoder, "layer_norm", None),
+               "decoder_normalize_before": getattr(model.decoder, "layer_norm", None),
+               "layernorm_embedding": getattr(model.encoder, "layernorm_embedding", None)}
+    return flags + ["--" + switch.replace("_", "-") for switch in LAYER_NORM_SWITCHES
+                    if present[switch] is not None]
 
 
 def describe_run(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> RunDescription | None:
