@@ -9,7 +9,6 @@ configuration side by side, and which feature would lower the peak most.
     fairseq-shard-estimate --world-size 2 --memory-budget 22 -- <fairseq-train arguments>
 """
 
-
 from __future__ import annotations
 
 import argparse
