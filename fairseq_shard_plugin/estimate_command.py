@@ -7,7 +7,9 @@ built without memory; the estimator's flags are then read from that configuratio
 model exactly as the trainer reads them before its first step
 (:func:`fairseq_shard_plugin.run_estimate.run_description`). The estimator's own options
 given before ``--`` (``--world-size``, ``--memory-budget``, ``--tokens-per-sentence``,
-``--json``, ...) come after them, so they override what the command says.
+``--json``, ...) come after them, so they override what the command says. ``--world-size``
+is all ranks; with ``--shard-strategy hybrid`` the estimate is for its shard groups
+(``--shard-group-size``, required here: no launcher says the ranks per node).
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ def flags_from_training_command(estimator_flags: list[str], train_argv: list[str
     ``estimator_flags``, and the shape of the model it builds."""
     from fairseq import tasks
 
+    from fairseq_shard_plugin.options import sharding_options
     from fairseq_shard_plugin.run_estimate import run_description
+    from fairseq_shard_plugin.validation import ShardingConfigError, shard_group_size
 
     cfg = _parse_training_command(train_argv)
     try:
@@ -84,5 +88,9 @@ def flags_from_training_command(estimator_flags: list[str], train_argv: list[str
     arch = getattr(cfg.model, "arch", None) or getattr(cfg.model, "_name", None)
     model = build_without_memory(lambda: task.build_model(cfg.model), str(arch))
     world_size, others = _take_world_size(estimator_flags)
-    described = run_description(cfg, model, world_size)
+    try:  # the ranks sharing one copy: all, or one shard group with --shard-strategy hybrid
+        sharing = shard_group_size(sharding_options(cfg.task), world_size, environ={})
+    except ShardingConfigError as error:
+        raise EstimateError(f"the training command after --: {error}") from None
+    described = run_description(cfg, model, sharing)
     return [*described.flags, *others], described.shape

@@ -431,3 +431,16 @@ def test_fairseqs_plain_cross_entropy_is_estimated_as_measured() -> None:
              "--max-tokens", "512", "--bf16", "--criterion", "cross_entropy"]
     estimated = run(sizes)["configurations"]["requested"]["peak_gib"]
     assert estimated == pytest.approx(measured, rel=0.01)
+
+
+def test_a_hybrid_training_command_is_estimated_for_its_shard_groups(corpus: Path) -> None:
+    """--world-size counts every rank; with --shard-strategy hybrid one shard group shares
+    a copy of the model, so that is what the estimate is for."""
+    command = [str(corpus), *TINY_TRAINING, "--task", "sharded_translation",
+               "--optimizer", "adam", "--criterion", "label_smoothed_cross_entropy",
+               "--max-tokens", "512", "--shard-strategy", "hybrid"]
+    flags, _ = flags_from_training_command(
+        ["--world-size", "8"], [*command, "--shard-group-size", "2"])
+    assert flags[flags.index("--world-size") + 1] == "2"
+    with pytest.raises(EstimateError, match="--shard-strategy hybrid needs the ranks per node"):
+        flags_from_training_command(["--world-size", "8"], command)
