@@ -20,7 +20,7 @@ import logging
 import warnings
 from typing import Any
 
-from fairseq_shard_plugin.estimate import EstimateError, build_without_memory
+from fairseq_shard_plugin.estimate import EstimateError, build_without_memory, parser
 from fairseq_shard_plugin.memory_model import ModelShape
 
 
@@ -33,15 +33,14 @@ def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
 
 
 def _take_world_size(estimator_flags: list[str]) -> tuple[int, list[str]]:
-    """``--world-size`` as given before ``--`` (a training command does not say how many
-    ranks will run it; default 2), and the other flags."""
-    world_size, rest, flags = 2, [], iter(estimator_flags)
+    """``--world-size`` as given before ``--`` (read by the estimator's own parser; a
+    training command does not say how many ranks will run it), and the other flags."""
+    world_size = parser().parse_known_args(estimator_flags)[0].world_size
+    rest, flags = [], iter(estimator_flags)
     for flag in flags:
         if flag == "--world-size":
-            world_size = int(next(flags, "2"))
-        elif flag.startswith("--world-size="):
-            world_size = int(flag.split("=", 1)[1])
-        else:
+            next(flags, None)
+        elif not flag.startswith("--world-size="):
             rest.append(flag)
     return world_size, rest
 
