@@ -17,6 +17,10 @@ The index is written, atomically, only after DCP has finished the directory (its
 incomplete directory; directories no index refers to are deleted after each save
 (:func:`remove_unreferenced_shards`). DCP reshards on load, so a checkpoint written on N
 ranks loads on any other number of ranks.
+
+Reading one runs no code from it: the index is read with ``weights_only=True``, its shard
+directory must be one of ``checkpoint_shards/`` beside it (:func:`shard_directory`), and
+DCP's ``.metadata`` is unpickled only through an allow-list (``shard_metadata``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
@@ -41,6 +44,7 @@ from fairseq_shard_plugin.checkpoint_integrity import (
     mismatched_shard_files,
     shard_checksums,
 )
+from fairseq_shard_plugin.shard_metadata import SafeFileSystemReader, UnsafeMetadataError
 
 SHARDED_KEY = "sharded_checkpoint"
 SHARDS_DIR = "checkpoint_shards"
@@ -178,8 +182,24 @@ def remove_unreferenced_shards(
 
 
 def shard_directory(index_file: str | Path, index: dict[str, Any]) -> Path:
-    """The DCP directory of an index, resolved next to the index file."""
-    return Path(index_file).resolve().parent / index[SHARDED_KEY]["dir"]
+    """The DCP directory of an index, resolved next to the index file.
+
+    It must be a directory of ``checkpoint_shards/`` beside the index file (symlinks
+    resolved), as :func:`save_sharded` names them; any other, e.g. ``../elsewhere`` or an
+    absolute path, is refused."""
+    entry = index.get(SHARDED_KEY)
+    relative = entry.get("dir") if isinstance(entry, dict) else None
+    if not isinstance(relative, str) or not relative or "\0" in relative:
+        raise ShardedCheckpointError(
+            f"{index_file}: its {SHARDED_KEY} entry names no shard directory")
+    save_dir = Path(index_file).resolve().parent
+    directory = (save_dir / relative).resolve()
+    if directory.parent != (save_dir / SHARDS_DIR).resolve():
+        shown = relative if relative.isprintable() else repr(relative)
+        raise ShardedCheckpointError(
+            f"{index_file}: refusing its shard directory {shown[:200]}: it resolves to "
+            f"{directory}, not to a directory of {save_dir / SHARDS_DIR}")
+    return directory
 
 
 def read_shard_metadata(
@@ -192,12 +212,21 @@ def read_shard_metadata(
     which must all call it.
     """
     directory = shard_directory(index_file, index)
+    checksums = index[SHARDED_KEY].get("crc32") or {}
+    strays = [name for name in checksums
+              if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..")]
+    if strays:
+        raise ShardedCheckpointError(
+            f"{index_file}: its checksums name {str(strays[0])[:200]!r}, not a file of its "
+            "shard directory")
     if not directory.is_dir():
         raise ShardedCheckpointError(
             f"{index_file}: its shard directory {directory} is missing; {RESUME_HINT}"
         )
     try:
-        metadata = FileSystemReader(directory).read_metadata()
+        metadata = SafeFileSystemReader(directory).read_metadata()
+    except UnsafeMetadataError as error:
+        raise ShardedCheckpointError(f"{index_file}: {error}") from error
     except Exception as error:
         raise ShardedCheckpointError(
             f"{index_file}: shard directory {directory} has no readable .metadata "
@@ -210,8 +239,7 @@ def read_shard_metadata(
             f"{index_file}: shard file {directory / name} is truncated or missing ({size} of "
             f"{needed} bytes); {RESUME_HINT}"
         )
-    corrupted = mismatched_shard_files(directory, index[SHARDED_KEY].get("crc32", {}),
-                                       collective)
+    corrupted = mismatched_shard_files(directory, checksums, collective)
     if corrupted:
         raise ShardedCheckpointError(corruption_message(
             index_file, [str(directory / name) for name in corrupted]))
@@ -259,9 +287,12 @@ def load_tensors(
 ) -> None:
     """Fill ``targets`` (fresh tensors, DTensors sharded as wanted) from the shards."""
     directory = shard_directory(index_file, index)
+    reader = SafeFileSystemReader(directory)
     try:
-        dcp.load(targets, checkpoint_id=directory, no_dist=no_dist)
+        dcp.load(targets, storage_reader=reader, no_dist=no_dist)
     except (Exception, CheckpointException) as error:  # the latter is a BaseException
+        if reader.refusal is not None:  # DCP reports it only as a string among others
+            raise ShardedCheckpointError(f"{index_file}: {reader.refusal}") from error
         first = str(error).strip().splitlines()
         detail = next((line for line in first if "Error" in line or "error" in line),
                       first[0] if first else "")
