@@ -48,6 +48,31 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
+# torch's load_state_dict collects each parameter's failure under this heading
+_LOAD_STATE_DICT_HEADING = "Error(s) in loading state_dict for "
+
+
+def first_cause(error: BaseException) -> str:
+    """The innermost exception behind ``error`` as ``Type: first line``.
+
+    fairseq re-raises a failed ``load_state_dict`` as "please ensure that the architectures
+    match", whatever the reason; the reason is the exception it was raised from (or during).
+    torch's ``load_state_dict`` error lists each parameter's failure after a heading line:
+    the first of them is the line that says what went wrong.
+    """
+    seen = {id(error)}
+    while True:
+        inner = error.__cause__ or error.__context__
+        if inner is None or id(inner) in seen:
+            break
+        seen.add(id(inner))
+        error = inner
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith(_LOAD_STATE_DICT_HEADING):
+        return f"{type(error).__name__}: {lines[1]}"
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 # how torch's weights_only unpickler names a type it refused, in its two messages
 _REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)"
                              r"|allowlisted via `add_safe_globals`, but got <class '([^']+)'>")
@@ -80,7 +105,7 @@ def describe_checkpoint_problem(
     problem = describe_shape_mismatch(filename, shapes, model_shapes)
     if problem:
         return problem
-    return f"{filename}: could not be loaded: {_first_line(error.__cause__ or error)}"
+    return f"{filename}: could not be loaded: {first_cause(error)}"
 
 
 def describe_shape_mismatch(

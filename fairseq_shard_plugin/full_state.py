@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -69,3 +71,39 @@ def shard_optimizer_state_like_params(optimizer: torch.optim.Optimizer) -> None:
                         value.to(param.device), param.device_mesh, param.placements,
                         src_data_rank=None,
                     )
+
+
+def _shard_full_tensors(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
+                        *args: Any) -> None:
+    """Load pre-hook of one module: each full tensor in ``state_dict`` for one of its DTensor
+    parameters becomes that parameter's DTensor (this rank's slice; no communication)."""
+    for name, param in module._parameters.items():
+        value = state_dict.get(prefix + name)
+        if (isinstance(param, DTensor) and isinstance(value, torch.Tensor)
+                and not isinstance(value, DTensor) and value.shape == param.shape):
+            state_dict[prefix + name] = distribute_tensor(
+                value.to(param.device), param.device_mesh, param.placements,
+                src_data_rank=None)
+
+
+@contextlib.contextmanager
+def loading_full_tensors_into_shards(model: torch.nn.Module) -> Iterator[None]:
+    """While active, ``model.load_state_dict`` accepts full tensors for sharded parameters
+    of any shape.
+
+    ``load_state_dict`` copies each tensor into its parameter with ``copy_``. A plain tensor
+    copied into a DTensor is treated as replicated, and DTensor refuses the in-place
+    placement change wherever it cannot shard the pair evenly: a parameter whose dim 0 is
+    smaller than the number of ranks (fconv's weight-normed ``weight_g``, shape [1, 1, d]),
+    which leaves some ranks an empty shard. Giving ``copy_`` a DTensor already sharded like
+    the parameter works for every shape. The hooks run after fairseq's own
+    ``upgrade_state_dict`` renames, on exactly the names the model loads.
+    """
+    handles = [module.register_load_state_dict_pre_hook(_shard_full_tensors)
+               for module in model.modules()
+               if any(isinstance(p, DTensor) for p in module._parameters.values())]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

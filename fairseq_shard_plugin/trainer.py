@@ -27,6 +27,7 @@ from fairseq_shard_plugin import signal_stop
 from fairseq_shard_plugin.checkpoint_errors import (
     CheckpointLoadError,
     describe_checkpoint_problem,
+    first_cause,
     refuse_to_skip_fairscale_shards,
     state_dict_shapes,
 )
@@ -42,6 +43,7 @@ from fairseq_shard_plugin.checkpoint_sharded import ShardedCheckpointError
 from fairseq_shard_plugin.checkpoint_space import full_state_bytes, space_report
 from fairseq_shard_plugin.data_position import convert_position, record_ranks
 from fairseq_shard_plugin.engines import build_engine
+from fairseq_shard_plugin.full_state import loading_full_tensors_into_shards
 from fairseq_shard_plugin.integration import export_follows_training, loading_into_trainer
 from fairseq_shard_plugin.launch_env import ensure_process_group, uses_cuda
 from fairseq_shard_plugin.local_shards import LocalShards
@@ -302,9 +304,8 @@ class ShardedTrainer(Trainer):
             index = read_sharded_index(filename)
             if index is None:
                 verify_full_checkpoint(filename)
-            with implicit_replication(), loading_into_trainer(
-                trainer_state_loader(self, reset_optimizer)
-            ):
+            with implicit_replication(), loading_full_tensors_into_shards(self._model), \
+                    loading_into_trainer(trainer_state_loader(self, reset_optimizer)):
                 extra_state = super().load_checkpoint(filename, *args, **kwargs)
         except ShardedCheckpointError as error:
             raise CheckpointLoadError(str(error)) from error
@@ -312,10 +313,8 @@ class ShardedTrainer(Trainer):
             raise
         except Exception as error:
             if index is not None:
-                first_line = (str(error).strip().splitlines() or [""])[0]
                 raise CheckpointLoadError(
-                    f"{filename}: could not be loaded: {type(error).__name__}: {first_line}"
-                ) from error
+                    f"{filename}: could not be loaded: {first_cause(error)}") from error
             raise CheckpointLoadError(
                 describe_checkpoint_problem(filename, state_dict_shapes(self._model), error)
             ) from error

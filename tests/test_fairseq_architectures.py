@@ -1,0 +1,154 @@
+"""fairseq's own architectures, tasks and test data, sharded: train, resume, generate.
+
+What fairseq's GPU acceptance test for sharding does (tests/gpu/test_binaries_gpu.py,
+``_test_resume_training``), on CPU ranks and for every model family a user may bring:
+train on fairseq's dummy data (its tests/utils.py fixtures) saving every 2 updates, resume
+a second run from ``checkpoint_1_2.pt`` and require the same per-update losses and gradient
+norms and the same final ``train_loss``/``train_ppl``/``train_gnorm``/``train_num_updates``;
+then fairseq-generate (fairseq-eval-lm for the language model) on the resumed run's
+checkpoint. Models are tiny: a case costs mostly process start-up.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from fairseq_fixtures import create_dummy_data, preprocess_lm_data, preprocess_translation_data
+
+from benchmarks.harness import PLUGIN_DIR, RunResult, run_training, tool
+
+UPDATES = 6  # over two epochs of fairseq's dummy data (batches of max_tokens)
+TRAIN = ["--optimizer", "adam", "--lr", "1e-3", "--max-update", str(UPDATES),
+         "--save-interval-updates", "2", "--seed", "1",
+         "--log-format", "json", "--log-interval", "1", "--num-workers", "0", "--cpu"]
+LANGS = ["--source-lang", "in", "--target-lang", "out"]
+
+
+def small(*layers: str, dim: int = 16, heads: bool = True) -> list[str]:
+    """Embedding/ffn sizes (and attention heads) for ``layers`` ("encoder", "decoder")."""
+    args = []
+    for side in layers:
+        args += [f"--{side}-embed-dim", str(dim), f"--{side}-ffn-embed-dim", str(2 * dim)]
+        args += [f"--{side}-attention-heads", "2"] if heads else []
+    return args
+
+
+@dataclass(frozen=True)
+class Case:
+    arch: str
+    model: tuple[str, ...]  # the arch's size overrides and options
+    task: str = "translation"
+    ranks: int = 2
+    extra: tuple[str, ...] = ()  # criterion, precision, checkpoint format, ...
+    max_tokens: int = 500  # small enough for 3+ updates per epoch: update 2 is mid-epoch
+
+
+TRANSFORMER = ("--encoder-layers", "2", "--decoder-layers", "2",
+               *small("encoder", "decoder"))
+CASES = [
+    # the plugin's task name, fp16 compute and the sharded checkpoint format
+    Case("transformer", (*TRANSFORMER, "--share-all-embeddings"), task="sharded_translation",
+         extra=("--fp16", "--checkpoint-format", "sharded")),
+    Case("transformer_lm", ("--decoder-layers", "2", *small("decoder"),
+                            "--tokens-per-sample", "64"), task="language_modeling",
+         max_tokens=128),
+    Case("bart_base", ("--encoder-layers", "1", "--decoder-layers", "1",
+                       *small("encoder", "decoder"))),
+    # weight-normed convolutions: weight_g of shape [1, 1, d], an empty shard on ranks 1-2
+    Case("fconv_iwslt_de_en", ("--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+                               "--decoder-out-embed-dim", "32",
+                               "--encoder-layers", "[(32, 3)] * 2",
+                               "--decoder-layers", "[(32, 3)] * 2"), ranks=3,
+         max_tokens=300),
+    Case("lstm", ("--encoder-layers", "2", "--decoder-layers", "2",
+                  "--encoder-embed-dim", "16", "--encoder-hidden-size", "16",
+                  "--decoder-embed-dim", "16", "--decoder-hidden-size", "16",
+                  "--decoder-out-embed-dim", "16")),
+    Case("lightconv_iwslt_de_en", ("--encoder-layers", "2", "--decoder-layers", "2",
+                                   *small("encoder", "decoder"),
+                                   "--encoder-conv-dim", "16", "--decoder-conv-dim", "16",
+                                   "--encoder-kernel-size-list", "[3, 3]",
+                                   "--decoder-kernel-size-list", "[3, 3]")),
+    Case("transformer_align", (*TRANSFORMER, "--alignment-layer", "1"),
+         extra=("--load-alignments", "--criterion",
+                "label_smoothed_cross_entropy_with_alignment")),
+]
+
+
+@pytest.fixture(scope="module")
+def fairseq_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """fairseq's dummy translation data (joined dictionary, with alignments) and its
+    language-model data, made by fairseq's own fixtures."""
+    random.seed(1)
+    torch.manual_seed(1)
+    translation = tmp_path_factory.mktemp("fairseq_translation")
+    create_dummy_data(str(translation), alignment=True)
+    preprocess_translation_data(str(translation), ["--joined-dictionary", "--align-suffix",
+                                                   "align"])
+    lm = tmp_path_factory.mktemp("fairseq_lm")
+    create_dummy_data(str(lm))
+    preprocess_lm_data(str(lm))
+    return {"translation": translation, "lm": lm}
+
+
+def train(case: Case, data: Path, save_dir: Path, *flags: str) -> RunResult:
+    args = [str(data), "--task", case.task, "--arch", case.arch, *case.model, *case.extra,
+            *(LANGS if case.task != "language_modeling" else []), *TRAIN,
+            "--max-tokens", str(case.max_tokens),
+            "--save-dir", str(save_dir), *flags]
+    return run_training(args, nproc=case.ranks, plugin=True, timeout=300)
+
+
+def per_update(run: RunResult, key: str) -> dict[int, str]:
+    return {int(entry["num_updates"]): entry[key] for entry in run.logs["train_inner"]}
+
+
+def evaluate(case: Case, data: Path, checkpoint: Path) -> str:
+    """fairseq-generate (fairseq-eval-lm for a language model) on ``checkpoint``."""
+    common = [str(data), "--path", str(checkpoint), "--user-dir", str(PLUGIN_DIR), "--cpu",
+              "--task", case.task, "--num-workers", "0"]
+    if case.task == "language_modeling":
+        command = [tool("fairseq-eval-lm"), *common, "--tokens-per-sample", "64",
+                   "--max-tokens", "500", "--gen-subset", "valid"]
+    else:
+        command = [tool("fairseq-generate"), *common, *LANGS, "--beam", "3",
+                   "--batch-size", "64", "--max-len-b", "5", "--gen-subset", "valid",
+                   *(["--print-alignment"] if case.arch == "transformer_align" else [])]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.arch for case in CASES])
+def test_resume_from_an_interval_checkpoint_matches_the_uninterrupted_run(
+    case: Case, fairseq_data: dict[str, Path], tmp_path: Path
+) -> None:
+    data = fairseq_data["lm" if case.task == "language_modeling" else "translation"]
+    uninterrupted = train(case, data, tmp_path / "uninterrupted")
+    assert "train_num_updates" in uninterrupted.logs["train"][-1]
+    restore = tmp_path / "uninterrupted" / "checkpoint_1_2.pt"  # mid-epoch 1
+    assert restore.is_file()  # fairseq would start afresh without a word
+    resumed = train(case, data, tmp_path / "resumed", "--restore-file", str(restore))
+
+    first = uninterrupted.logs["train_inner"]
+    assert [int(e["num_updates"]) for e in first] == list(range(1, UPDATES + 1))
+    assert min(per_update(resumed, "num_updates")) == 3
+    for key in ("loss", "gnorm"):
+        expected = {u: v for u, v in per_update(uninterrupted, key).items() if u > 2}
+        assert per_update(resumed, key) == expected, key
+    for key in ("train_loss", "train_ppl", "train_gnorm", "train_num_updates"):
+        assert resumed.logs["train"][-1][key] == uninterrupted.logs["train"][-1][key], key
+
+    output = evaluate(case, data, tmp_path / "resumed" / "checkpoint_last.pt")
+    if case.task == "language_modeling":
+        assert re.search(r"Loss \(base 2\): \d+\.\d+, Perplexity: \d+\.\d+", output), output
+    else:
+        translated = re.search(r"Translated (\d+) sentences", output)
+        hypotheses = re.findall(r"^H-\d+\t", output, re.MULTILINE)
+        assert translated and len(hypotheses) == int(translated.group(1)) > 90, output[-2000:]
