@@ -69,7 +69,7 @@ from fairseq_shard_plugin.validation import (
     ignored_fsdp_flags,
     shard_group_size,
 )
-from fairseq_shard_plugin.wrap_policy import build_plan
+from fairseq_shard_plugin.wrap_policy import build_plan, describe_plan
 
 logger = logging.getLogger(__name__)
 
@@ -141,16 +141,15 @@ class ShardedTrainer(Trainer):
         )
         # the run as fairseq-shard-estimate flags, read from the model before it is sharded
         self._run_description = describe_run(cfg, model, self.shard_group_size)
+        plan_description = describe_plan(self.sharding_plan)  # counted before sharding
         sharded_model = self.engine.shard(model, self.sharding_plan)
         if self.compute_dtype is not None:
             cast_buffers(model, self.compute_dtype)
         logger.info(
-            "sharded %d units (%s) and the root over %d ranks with %s; compute in %s, "
-            "fp32 master shards",
-            len(self.sharding_plan.units),
-            ", ".join(unit.name for unit in self.sharding_plan.units),
+            "sharded over %d ranks with %s: %s; compute in %s, fp32 master shards",
             dist.get_world_size(),
             self.sharding_options.shard_engine,
+            plan_description,
             self.compute_dtype or torch.float32,
         )
         # Every rank reads the consolidated checkpoint itself and keeps its own slice;

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from typing import Any
 
@@ -10,6 +12,8 @@ from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_
 from fairseq_shard_plugin.launch_env import launched_by_torchrun, ranks_per_node, uses_cuda
 from fairseq_shard_plugin.options import ShardingConfig, sharding_options
 from fairseq_shard_plugin.signal_stop import parse_signals
+
+logger = logging.getLogger(__name__)
 
 
 class ShardingConfigError(ValueError):
@@ -40,11 +44,20 @@ def shard_group_size(
             "ranks per node: set --shard-group-size to a divisor of the world size"
         )
     if size >= world_size:
-        raise ShardingConfigError(
-            f"--shard-strategy hybrid needs more than one node, but all {world_size} ranks "
-            "form one shard group: use --shard-strategy full (or a smaller --shard-group-size)"
-        )
+        # a configuration written for a cluster, run on one node: nothing to replicate over
+        _warn_once(f"--shard-strategy hybrid: all {world_size} ranks form one shard group "
+                   f"({size} ranks per group), so this run shards fully over them (as "
+                   "--shard-strategy full); hybrid sharding needs more than one group")
+        return world_size
     return size
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    """Log ``message`` once per process, on rank 0 only (validation and the trainer both
+    ask for the group size)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.warning(message)
 
 
 def check_sharded_config(cfg: Any) -> None:

@@ -1,13 +1,21 @@
 """Engine-independent wrap policy: which modules of a fairseq model form sharding units.
 
-Units are chosen by module class, like torch's ``ModuleWrapPolicy``, so every fairseq
-model built from transformer layers is covered (``transformer``, ``bart``/``mbart``,
-``transformer_lm``), whatever ``--min-params-to-wrap`` says:
+Units are chosen by module class and by structure, like torch's ``ModuleWrapPolicy``, so
+every fairseq model is covered, whatever ``--min-params-to-wrap`` says:
 
-- every encoder and decoder layer is its own unit;
+- every transformer encoder and decoder layer is its own unit (``transformer``,
+  ``bart``/``mbart``, ``transformer_lm``, ``transformer_align``);
+- in models without them, every block of a repeated stack is its own unit: each entry of
+  an ``nn.ModuleList`` holding at least two modules with parameters (lightconv's
+  ``layers``, fconv's ``convolutions`` and per-layer ``attention``). Not recurrent cells
+  (LSTM's decoder ``layers``): a cell runs once per time step, and a unit would gather
+  and free its weights at every step; nor a module listed twice (shared weights);
+- every recurrent network (``nn.LSTM``, ``nn.GRU``: lstm's encoder) is its own unit: it
+  runs once per forward, over the whole sequence;
 - vocabulary modules (token embeddings and the decoder's output projection) that share a
   parameter form one unit together, so a tied 256K embedding is sharded once;
-- everything else (final layer norms, learned positions) belongs to the root unit.
+- everything else (final layer norms, learned positions, LSTM decoder cells) belongs to
+  the root unit.
 """
 
 from __future__ import annotations
@@ -57,6 +65,27 @@ def is_linear_layer(module: nn.Module) -> bool:
             and weight.dim() == 2 and next(module.children(), None) is None)
 
 
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def stacked_blocks(model: nn.Module) -> set[int]:
+    """ids of the blocks of repeated stacks (entries of an ``nn.ModuleList`` that holds at
+    least two modules with parameters, each listed once, none a recurrent cell) and of
+    recurrent networks."""
+    blocks: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList):
+            continue
+        entries = [entry for entry in module if entry is not None and _has_parameters(entry)]
+        if len(entries) < 2 or len({id(entry) for entry in entries}) < len(entries):
+            continue
+        blocks.update(id(entry) for entry in entries
+                      if not isinstance(entry, nn.RNNCellBase))
+    blocks.update(id(module) for module in model.modules() if isinstance(module, nn.RNNBase))
+    return blocks
+
+
 def _is_vocabulary_module(name: str, module: nn.Module) -> bool:
     if isinstance(module, nn.Embedding):
         return not isinstance(module, LearnedPositionalEmbedding)
@@ -103,11 +132,13 @@ def build_plan(
     candidates: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
     layer_prefixes: list[str] = []
+    has_transformer_layers = any(isinstance(m, LAYER_CLASSES) for m in model.modules())
+    blocks = set() if has_transformer_layers else stacked_blocks(model)
     for name, module in model.named_modules(remove_duplicate=True):
         if id(module) in seen or any(name.startswith(p) for p in layer_prefixes):
             continue
         seen.add(id(module))
-        if isinstance(module, LAYER_CLASSES):
+        if isinstance(module, LAYER_CLASSES) or id(module) in blocks:
             layers.append(ShardUnit(name, (module,),
                                     reshard_after_forward=not keep_all_gathered))
             layer_prefixes.append(name + ".")
@@ -121,3 +152,36 @@ def build_plan(
         for group in _group_by_shared_parameters(candidates)
     ]
     return ShardingPlan(units=tuple(layers + vocabulary), root=root)
+
+
+def _parameter_count(modules: tuple[nn.Module, ...], counted: set[int]) -> int:
+    total = 0
+    for module in modules:
+        for param in module.parameters():
+            if id(param) not in counted:
+                counted.add(id(param))
+                total += param.numel()
+    return total
+
+
+def describe_plan(plan: ShardingPlan) -> str:
+    """The plan in one line: how many units of which kind, and the root's share of the
+    parameters (what stays gathered for the whole forward of the root's own modules)."""
+    counted: set[int] = set()
+    in_units = sum(_parameter_count(unit.modules, counted) for unit in plan.units)
+    total = in_units + _parameter_count(plan.root.modules, counted)
+    vocabulary = [unit.name for unit in plan.units if unit.vocabulary]
+    blocks = [unit.name for unit in plan.units if not unit.vocabulary]
+    parts = [f"{len(blocks)} layer units ({_span(blocks)})" if blocks else "no layer units"]
+    if vocabulary:
+        parts.append(f"vocabulary units {', '.join(vocabulary)}")
+    root_share = 1 - in_units / total if total else 0.0
+    line = f"{'; '.join(parts)}; the root unit holds {root_share:.0%} of {total:,} parameters"
+    if not blocks:
+        line += (" (no transformer layers, repeated blocks or recurrent networks found: "
+                 "the rest of the model is sharded as one unit)")
+    return line
+
+
+def _span(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]}"

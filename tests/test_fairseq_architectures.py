@@ -11,6 +11,8 @@ checkpoint. Models are tiny: a case costs mostly process start-up.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
 import subprocess
@@ -21,7 +23,7 @@ import pytest
 import torch
 from fairseq_fixtures import create_dummy_data, preprocess_lm_data, preprocess_translation_data
 
-from benchmarks.harness import PLUGIN_DIR, RunResult, run_training, tool
+from benchmarks.harness import PLUGIN_DIR, REPO, RunResult, free_port, run_training, tool
 
 UPDATES = 6  # over two epochs of fairseq's dummy data (batches of max_tokens)
 TRAIN = ["--optimizer", "adam", "--lr", "1e-3", "--max-update", str(UPDATES),
@@ -47,6 +49,7 @@ class Case:
     ranks: int = 2
     extra: tuple[str, ...] = ()  # criterion, precision, checkpoint format, ...
     max_tokens: int = 500  # small enough for 3+ updates per epoch: update 2 is mid-epoch
+    layer_units: int = 4  # what the wrap policy makes units of, besides the vocabulary
 
 
 TRANSFORMER = ("--encoder-layers", "2", "--decoder-layers", "2",
@@ -65,11 +68,14 @@ CASES = [
                                "--decoder-out-embed-dim", "32",
                                "--encoder-layers", "[(32, 3)] * 2",
                                "--decoder-layers", "[(32, 3)] * 2"), ranks=3,
-         max_tokens=300),
+         max_tokens=300, layer_units=6),  # each convolution and decoder attention layer
     Case("lstm", ("--encoder-layers", "2", "--decoder-layers", "2",
                   "--encoder-embed-dim", "16", "--encoder-hidden-size", "16",
                   "--decoder-embed-dim", "16", "--decoder-hidden-size", "16",
-                  "--decoder-out-embed-dim", "16")),
+                  "--decoder-out-embed-dim", "16"),
+         # the encoder's nn.LSTM (decoder cells run per time step: root); and a configuration
+         # written for a cluster, run on one node
+         layer_units=1, task="sharded_translation", extra=("--shard-strategy", "hybrid")),
     Case("lightconv_iwslt_de_en", ("--encoder-layers", "2", "--decoder-layers", "2",
                                    *small("encoder", "decoder"),
                                    "--encoder-conv-dim", "16", "--decoder-conv-dim", "16",
@@ -131,6 +137,10 @@ def test_resume_from_an_interval_checkpoint_matches_the_uninterrupted_run(
 ) -> None:
     data = fairseq_data["lm" if case.task == "language_modeling" else "translation"]
     uninterrupted = train(case, data, tmp_path / "uninterrupted")
+    plan = re.findall(r"sharded over \d ranks with fsdp2: (\d+) layer units", uninterrupted.output)
+    assert plan == [str(case.layer_units)], plan  # logged by rank 0
+    if "hybrid" in case.extra:  # one line (rank 0), and the run trains
+        assert uninterrupted.output.count("so this run shards fully over them") == 1
     assert "train_num_updates" in uninterrupted.logs["train"][-1]
     restore = tmp_path / "uninterrupted" / "checkpoint_1_2.pt"  # mid-epoch 1
     assert restore.is_file()  # fairseq would start afresh without a word
@@ -152,3 +162,20 @@ def test_resume_from_an_interval_checkpoint_matches_the_uninterrupted_run(
         translated = re.search(r"Translated (\d+) sentences", output)
         hypotheses = re.findall(r"^H-\d+\t", output, re.MULTILINE)
         assert translated and len(hypotheses) == int(translated.group(1)) > 90, output[-2000:]
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_full_and_sharded_state_load_into_shards_of_any_shape(ranks: int, tmp_path: Path
+                                                              ) -> None:
+    """dim 0 of 1, below the number of ranks, uneven, 1-D: some ranks hold empty shards."""
+    command = [tool("torchrun"), "--nproc_per_node", str(ranks), "--master_port",
+               str(free_port()), str(REPO / "tests" / "helpers" / "load_any_shape.py"),
+               str(tmp_path / "report.json"), str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["local_numel"]["dim0_of_1"] == 8  # rank 0 holds it all, the others none
+    assert len(report["full"]) == len(report["sharded"]) == 6
+    assert all(report["full"].values()), report["full"]
+    assert all(report["sharded"].values()), report["sharded"]

@@ -8,6 +8,7 @@ Node sizes and Slurm's variables are checked as plain functions of an environmen
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 from pathlib import Path
@@ -200,7 +201,6 @@ def test_node_size_comes_from_the_launcher() -> None:
     ("world", "environ", "message"),
     [
         (6, {"LOCAL_WORLD_SIZE": "4"}, "world size 6 is not a multiple of 4"),
-        (4, {"LOCAL_WORLD_SIZE": "4"}, "needs more than one node"),
         (4, {}, "give --shard-group-size"),
     ],
 )
@@ -210,6 +210,20 @@ def test_unworkable_hybrid_layouts_are_refused(
     with pytest.raises(ShardingConfigError, match=message) as error:
         shard_group_size(ShardingConfig(shard_strategy="hybrid"), world, environ)
     assert "\n" not in str(error.value) and "--shard-" in str(error.value)
+
+
+def test_hybrid_on_one_node_falls_back_to_full_sharding_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A configuration written for a cluster runs on a workstation."""
+    hybrid = ShardingConfig(shard_strategy="hybrid")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):  # validation and the trainer both ask: one line
+            assert shard_group_size(hybrid, 4, {"LOCAL_WORLD_SIZE": "4"}) == 4
+    assert [r.getMessage() for r in caplog.records] == [
+        "--shard-strategy hybrid: all 4 ranks form one shard group (4 ranks per group), so "
+        "this run shards fully over them (as --shard-strategy full); hybrid sharding needs "
+        "more than one group"]
 
 
 def test_ranks_started_by_srun_get_torchruns_variables() -> None:
