@@ -75,6 +75,13 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
 Signatures that differ between fairseq 0.12 and the nllb branch (extra keyword arguments of
 ``fsdp_enable_wrap``, ``save_checkpoint``, ``load_checkpoint_to_cpu``, ``Trainer.state_dict``
 and ``Trainer.save_checkpoint``) are passed through, so both work.
+
+Installing twice (the user dir imported again) wraps nothing twice: the plugin's wrappers
+carry a mark of their own (``_fairseq_shard_plugin_hook``), and the hooks of
+``fairseq_cli.train`` a mark on the module. Another ``functools.wraps`` wrapper already in
+place (a profiler's, another plugin's) is wrapped like fairseq's own function. A fairseq
+that lacks one of the replaced names, or has it as something not callable, stops the import
+with one line naming its version.
 """
 
 from __future__ import annotations
@@ -113,6 +120,23 @@ logger = logging.getLogger(__name__)
 
 _HOOKED_NAMES = ("fsdp_enable_wrap", "fsdp_wrap", "Trainer", "validate_and_save")
 _INSTALLED_MARK = "_fairseq_shard_plugin_installed"
+# Set on the plugin's own wrappers of fairseq functions, so that install() wraps each
+# function once: a ``__wrapped__`` alone would also match a profiler's or another
+# plugin's ``functools.wraps`` wrapper, which must be wrapped, not taken for the plugin's.
+_HOOK_MARK = "_fairseq_shard_plugin_hook"
+
+_Wrapper = Callable[..., Any]
+
+
+def _marked(wrapper: _Wrapper, stock: _Wrapper) -> _Wrapper:
+    """``wrapper`` (which replaces ``stock``) marked as the plugin's hook."""
+    wrapper.__wrapped__ = stock  # type: ignore[attr-defined]  # for inspect.unwrap
+    setattr(wrapper, _HOOK_MARK, True)
+    return wrapper
+
+
+def _is_plugin_hook(function: Any) -> bool:
+    return getattr(function, _HOOK_MARK, False) is True
 
 
 @contextlib.contextmanager
@@ -192,8 +216,7 @@ def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[
                 WriteError) as error:
             sys.exit(f"fairseq-shard-plugin: error: {error}")
 
-    call_main.__wrapped__ = stock_call_main  # type: ignore[attr-defined]
-    return call_main
+    return _marked(call_main, stock_call_main)
 
 
 class _AtomicLocalCopies(PathManager):
@@ -242,8 +265,7 @@ def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
 
     # fairseq keeps the best validation loss as an attribute of the module-level function
     # (``save_checkpoint.best``), looked up by name: it now lives on this wrapper.
-    save_checkpoint.__wrapped__ = stock_save  # type: ignore[attr-defined]
-    return save_checkpoint
+    return _marked(save_checkpoint, stock_save)
 
 
 TrainerLoader = Callable[[str, dict[str, Any]], dict[str, Any]]
@@ -279,8 +301,7 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
             return _trainer_loaders[-1](path, state)
         return _full_tensors_of_index(path, state) if is_sharded_index(state) else state
 
-    load_checkpoint_to_cpu.__wrapped__ = stock_load  # type: ignore[attr-defined]
-    return load_checkpoint_to_cpu
+    return _marked(load_checkpoint_to_cpu, stock_load)
 
 
 def _keeping_fp32_masters(stock_load_cpu: Callable[..., Any]) -> Callable[..., Any]:
@@ -299,8 +320,7 @@ def _keeping_fp32_masters(stock_load_cpu: Callable[..., Any]) -> Callable[..., A
             state["model"] = {name: value.half() for name, value in state["model"].items()}
         return state
 
-    torch_load_cpu.__wrapped__ = stock_load_cpu  # type: ignore[attr-defined]
-    return torch_load_cpu
+    return _marked(torch_load_cpu, stock_load_cpu)
 
 
 def _importing_the_plugin_once(stock_import: Callable[..., Any]) -> Callable[..., Any]:
@@ -313,8 +333,7 @@ def _importing_the_plugin_once(stock_import: Callable[..., Any]) -> Callable[...
             return None  # imported already: this module is part of it
         return stock_import(args)
 
-    import_user_module.__wrapped__ = stock_import  # type: ignore[attr-defined]
-    return import_user_module
+    return _marked(import_user_module, stock_import)
 
 
 def _saving_on_signal(stock_validate_and_save: Callable[..., Any]) -> Callable[..., Any]:
@@ -341,8 +360,7 @@ def _saving_on_signal(stock_validate_and_save: Callable[..., Any]) -> Callable[.
             checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, None)
         return [None], True
 
-    validate_and_save.__wrapped__ = stock_validate_and_save  # type: ignore[attr-defined]
-    return validate_and_save
+    return _marked(validate_and_save, stock_validate_and_save)
 
 
 def _train_modules() -> list[Any]:
@@ -355,15 +373,33 @@ def _train_modules() -> list[Any]:
     return modules
 
 
+def _unhookable() -> list[str]:
+    """The names install() replaces that this fairseq lacks or has as non-callables."""
+    required = [(train_cli, name) for name in _HOOKED_NAMES] + [
+        (distributed_utils, "call_main"),
+        (checkpoint_utils, "load_checkpoint_to_cpu"),
+        (checkpoint_utils, "save_checkpoint"),
+        (fairseq_utils, "import_user_module"),
+    ]
+    if hasattr(checkpoint_utils, "torch_load_cpu"):  # nllb branch only
+        required.append((checkpoint_utils, "torch_load_cpu"))
+    unhookable = []
+    for module, name in required:
+        value = getattr(module, name, None)
+        if value is None:
+            unhookable.append(f"missing {module.__name__}.{name}")
+        elif not callable(value):
+            unhookable.append(f"{module.__name__}.{name} is not callable")
+    return unhookable
+
+
 def install() -> None:
     """Install the hooks once; fail clearly on a fairseq without the expected names."""
-    missing = [name for name in _HOOKED_NAMES if not hasattr(train_cli, name)]
-    if not hasattr(distributed_utils, "call_main"):
-        missing.append("fairseq.distributed.utils.call_main")
-    if missing:
+    unhookable = _unhookable()
+    if unhookable:
         raise ImportError(
             f"fairseq_shard_plugin does not support fairseq {fairseq.__version__}: "
-            f"missing {', '.join(missing)} (supported: fairseq 0.12.x and its nllb branch)"
+            f"{', '.join(unhookable)} (supported: fairseq 0.12.x and its nllb branch)"
         )
     for module in _train_modules():
         if getattr(module, _INSTALLED_MARK, False):
@@ -375,15 +411,15 @@ def install() -> None:
         setattr(module, _INSTALLED_MARK, True)
     fairseq_meters.MaxMeter = MaxMeter
     stock_load_cpu = getattr(checkpoint_utils, "torch_load_cpu", None)  # nllb branch only
-    if stock_load_cpu is not None and not hasattr(stock_load_cpu, "__wrapped__"):
+    if stock_load_cpu is not None and not _is_plugin_hook(stock_load_cpu):
         checkpoint_utils.torch_load_cpu = _keeping_fp32_masters(stock_load_cpu)
-    if not hasattr(fairseq_utils.import_user_module, "__wrapped__"):
+    if not _is_plugin_hook(fairseq_utils.import_user_module):
         fairseq_utils.import_user_module = _importing_the_plugin_once(
             fairseq_utils.import_user_module)
-    if not hasattr(checkpoint_utils.load_checkpoint_to_cpu, "__wrapped__"):
+    if not _is_plugin_hook(checkpoint_utils.load_checkpoint_to_cpu):
         checkpoint_utils.load_checkpoint_to_cpu = _with_sharded_checkpoints(
             checkpoint_utils.load_checkpoint_to_cpu)
-    if not hasattr(checkpoint_utils.save_checkpoint, "__wrapped__"):
+    if not _is_plugin_hook(checkpoint_utils.save_checkpoint):
         checkpoint_utils.save_checkpoint = _with_atomic_copies(checkpoint_utils.save_checkpoint)
-    if not hasattr(distributed_utils.call_main, "__wrapped__"):
+    if not _is_plugin_hook(distributed_utils.call_main):
         distributed_utils.call_main = _with_launcher_environment(distributed_utils.call_main)

@@ -1,0 +1,77 @@
+"""How the plugin's hooks go into fairseq (``integration.install``), each case in a fresh
+Python process: the hooks replace module attributes of fairseq, which would otherwise
+stay replaced for the rest of the test session."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import fairseq
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_foreign_functools_wraps_wrapper_is_wrapped_not_taken_for_the_plugins() -> None:
+    """A profiler's (or another plugin's) ``functools.wraps`` wrapper has ``__wrapped__``
+    too: the plugin still installs its hook over it, which calls through to it, and a
+    second install wraps nothing twice."""
+    result = run_python("""
+        import functools
+        import fairseq.checkpoint_utils as checkpoint_utils
+
+        calls = []
+
+        @functools.wraps(checkpoint_utils.load_checkpoint_to_cpu)
+        def profiled(path, *args, **kwargs):
+            calls.append(path)
+            return {"model": {}, "read_by": "profiler"}
+
+        checkpoint_utils.load_checkpoint_to_cpu = profiled
+        assert hasattr(profiled, "__wrapped__")
+
+        import fairseq_shard_plugin
+        from fairseq_shard_plugin import integration
+
+        hook = checkpoint_utils.load_checkpoint_to_cpu
+        assert hook is not profiled, "the plugin skipped its hook"
+        assert getattr(hook, "_fairseq_shard_plugin_hook", None) is True, vars(hook)
+        assert hook.__wrapped__ is profiled
+        state = hook("/nowhere/checkpoint.pt")
+        assert calls == ["/nowhere/checkpoint.pt"], calls
+        assert state == {"model": {}, "read_by": "profiler"}, state
+
+        integration.install()
+        assert checkpoint_utils.load_checkpoint_to_cpu is hook, "wrapped twice"
+        print("hooked over the profiler")
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "hooked over the profiler"
+
+
+@pytest.mark.parametrize(("break_it", "said"), [
+    ("import fairseq.distributed.utils as m; del m.call_main",
+     "missing fairseq.distributed.utils.call_main"),
+    ("import fairseq_cli.train as m; m.validate_and_save = 42",
+     "fairseq_cli.train.validate_and_save is not callable"),
+], ids=["missing", "not-callable"])
+def test_a_fairseq_without_a_hooked_function_fails_in_one_line_naming_its_version(
+    break_it: str, said: str,
+) -> None:
+    result = run_python(f"""
+        {break_it}
+        import fairseq_shard_plugin
+    """)
+    assert result.returncode != 0, result.stdout[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: fairseq_shard_plugin does not support fairseq "
+                           f"{fairseq.__version__}: "), last
+    assert said in last, last
