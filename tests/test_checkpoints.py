@@ -512,6 +512,13 @@ def test_checkpoints_reload_exactly_from_2_to_4_to_1_ranks_and_bad_ones_change_n
     (tmp_path / "corrupted_full").mkdir()
     broken.append(shutil.copy(full, tmp_path / "corrupted_full"))
     flip_middle_byte(Path(broken[-1]))
+    # a failure that is neither a shape nor a name mismatch: a tensor without data
+    no_data = torch.load(full, weights_only=True)
+    no_data["model"]["decoder.layers.1.fc2.weight"] = torch.empty(
+        no_data["model"]["decoder.layers.1.fc2.weight"].shape, device="meta")
+    (tmp_path / "no_data").mkdir()
+    torch.save(no_data, tmp_path / "no_data" / "checkpoint_1_20.pt")
+    broken.append(str(tmp_path / "no_data" / "checkpoint_1_20.pt"))
     other_vocab = tmp_path / "other_vocab"
     shutil.copytree(corpus, other_vocab)
     for dictionary in other_vocab.glob("dict.*.txt"):
@@ -523,7 +530,8 @@ def test_checkpoints_reload_exactly_from_2_to_4_to_1_ranks_and_bad_ones_change_n
     for report in on_four["exact"] + on_one["exact"]:
         assert report["model_equal"] and report["optimizer_equal"], report
         assert report["optimizer_tensors"] > 0 and report["num_updates"] == 20, report
-    truncated, no_metadata, corrupted_shard, corrupted_full = on_one["broken"]
+    assert len(on_one["broken"]) == 5
+    truncated, no_metadata, corrupted_shard, corrupted_full, no_data = on_one["broken"]
     for refusal in (*on_one["broken"], on_one["other_arch"], on_one["other_vocab"]):
         assert refusal["unchanged"] and "\n" not in refusal["error"], refusal
         assert refusal["error"].startswith(refusal["checkpoint"] + ": "), refusal
@@ -533,6 +541,10 @@ def test_checkpoints_reload_exactly_from_2_to_4_to_1_ranks_and_bad_ones_change_n
                      corrupted_shard["error"]), corrupted_shard
     assert re.search(r"corrupted checkpoint: archive/data/\d+ fails its CRC-32 check",
                      corrupted_full["error"]), corrupted_full
+    # the innermost exception, not fairseq's "please ensure that the architectures match"
+    assert no_data["error"].endswith(
+        "could not be loaded: NotImplementedError: Cannot copy out of meta tensor; no data!"
+    ), no_data
     assert ("fc1.weight has shape [128, 64] in the checkpoint and [256, 64] in the model"
             in on_one["other_arch"]["error"])
     vocab = re.search(r"embed_tokens.weight has shape \[(\d+), 64\] in the checkpoint and "
