@@ -262,4 +262,4 @@ def test_meter_leaves_host_side_storages_out_of_the_device_peak() -> None:
     assert 14000 <= meter.peak_bytes < 14000 + 256  # before the activation was freed
     assert 8000 + 2000 <= meter.device_peak_bytes < 10000 + 256
     assert 4000 + 2000 + 4000 <= meter.host_bytes < 10000 + 256
-    assert state.numel() == grad.numel() * 2
+    del state  # alive until the meter closed: its 4,000 B are counted on the host
