@@ -179,3 +179,14 @@ def test_full_and_sharded_state_load_into_shards_of_any_shape(ranks: int, tmp_pa
     assert len(report["full"]) == len(report["sharded"]) == 6
     assert all(report["full"].values()), report["full"]
     assert all(report["sharded"].values()), report["sharded"]
+
+
+def test_a_scalar_parameter_is_named_before_anything_is_sharded() -> None:
+    from fairseq_shard_plugin.engines.fsdp2 import refuse_scalar_parameters
+    from fairseq_shard_plugin.validation import ShardingConfigError
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    refuse_scalar_parameters(model)  # vectors and matrices are fine
+    model[0].register_parameter("gate", torch.nn.Parameter(torch.tensor(0.5)))
+    with pytest.raises(ShardingConfigError, match=r"^parameter 0\.gate is a scalar \(0-dim\)"):
+        refuse_scalar_parameters(model)

@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -14,6 +15,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from fairseq_shard_plugin.validation import ShardingConfigError
 from fairseq_shard_plugin.wrap_policy import ShardingPlan, ShardUnit
 
 
@@ -44,6 +46,17 @@ def offload_policy(offload: bool, mesh: DeviceMesh) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
 
 
+def refuse_scalar_parameters(model: nn.Module) -> None:
+    """FSDP2 shards along dim 0 and refuses 0-dim parameters with a traceback; say which
+    parameter it is and what to change, before anything is sharded."""
+    for name, param in model.named_parameters():
+        if param.dim() == 0:
+            raise ShardingConfigError(
+                f"parameter {name} is a scalar (0-dim), which --shard-engine fsdp2 cannot "
+                "shard: declare it with shape [1] in the model (or use --shard-engine "
+                "fairscale on CUDA)")
+
+
 def _shard_unit(
     unit: ShardUnit, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, offload: OffloadPolicy
 ) -> None:
@@ -65,6 +78,7 @@ def apply_plan(
     ``vocabulary_mp_policy``, if given, replaces it for vocabulary units.
     With ``offload`` the shards (and their gradients) are kept on CPU.
     """
+    refuse_scalar_parameters(plan.root.modules[0])
     mp_policy = mp_policy or MixedPrecisionPolicy()
     policy = offload_policy(offload, mesh)
     for unit in plan.units:
