@@ -173,8 +173,12 @@ def test_estimate_is_within_10_percent_of_the_measured_600m_peaks(
 
 @pytest.mark.parametrize(("arch", "results"), [("nllb_dense_1_3b", "memory_1_3b.json"),
                                                ("nllb_dense_3_3b", "memory_3_3b.json")])
-def test_estimate_matches_the_measured_1_3b_and_3_3b_steps(arch: str, results: str) -> None:
-    """The issue's "two 24 GB GPUs" claims: device side within 10%, host side (offload) too."""
+def test_committed_measurement_of_1_3b_and_3_3b_steps_fits_24_gb_and_matches_the_estimate(
+    arch: str, results: str,
+) -> None:
+    """Checks the committed measurement (benchmarks/results/memory_{1_3b,3_3b}.json).
+
+    The issue's "two 24 GB GPUs" claims: device side within 10%, host side (offload) too."""
     path = MEASURED.parent / results
     if not path.exists():
         pytest.skip(f"benchmarks/results/{results} not produced yet (see README)")
@@ -415,8 +419,10 @@ def test_bart_models_are_estimated_and_unbuildable_archs_refused_in_one_line() -
         run(["--arch", "roberta_base"])
 
 
-def test_fairseqs_plain_cross_entropy_is_estimated_as_measured() -> None:
-    """fairseq's cross_entropy holds the label-smoothed loss's tensors: measured equal on a
+def test_committed_measurement_of_plain_cross_entropy_matches_label_smoothed_and_estimate() -> None:
+    """Checks the committed measurement (benchmarks/results/memory_cross_entropy.json).
+
+    fairseq's cross_entropy holds the label-smoothed loss's tensors: measured equal on a
     d 512 model (benchmarks/results/memory_cross_entropy.*, command in its .md)."""
     rows = {row["configuration"]: row for row in json.loads(
         (REPO / "benchmarks" / "results" / "memory_cross_entropy.json").read_text())}
