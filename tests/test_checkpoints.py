@@ -527,6 +527,7 @@ def test_checkpoints_reload_exactly_from_2_to_4_to_1_ranks_and_bad_ones_change_n
         "exact": [str(four_ranks), full], "broken": broken, "other_vocab": str(other_vocab),
         "other_arch": ["--encoder-ffn-embed-dim", "256", "--decoder-ffn-embed-dim", "256"]})
 
+    assert len(on_four["exact"]) == 3 and len(on_one["exact"]) == 2  # one per checkpoint
     for report in on_four["exact"] + on_one["exact"]:
         assert report["model_equal"] and report["optimizer_equal"], report
         assert report["optimizer_tensors"] > 0 and report["num_updates"] == 20, report

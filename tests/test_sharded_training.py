@@ -86,6 +86,7 @@ def test_validation_translates_as_stock_fairseq_does(
 
 def test_every_log_line_carries_peak_memory(sharded_tiny_run: tuple[RunResult, Path]) -> None:
     sharded, _ = sharded_tiny_run
+    assert len(sharded.logs["train_inner"]) == REFERENCE_UPDATES  # one line per update
     for entry in sharded.logs["train_inner"]:
         assert float(entry["peak_mem_gb"]) > 0
         assert 0 < float(entry["state_mem_gb"]) <= float(entry["peak_mem_gb"])
