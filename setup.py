@@ -18,11 +18,11 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "fairseq-shard-synthetic-data=fairseq_shard_plugin.synthetic_corpus:main",
-            "fairseq-shard-measure-train=fairseq_shard_plugin.measured_run:main",
-            "fairseq-shard-consolidate=fairseq_shard_plugin.consolidate:main",
-            "fairseq-shard-verify=fairseq_shard_plugin.verify:main",
-            "fairseq-shard-estimate=fairseq_shard_plugin.estimate:main",
+            "fairseq-shard-synthetic-data=fairseq_shard_plugin.cli.synthetic_data:main",
+            "fairseq-shard-measure-train=fairseq_shard_plugin.cli.measure_train:main",
+            "fairseq-shard-consolidate=fairseq_shard_plugin.cli.consolidate:main",
+            "fairseq-shard-verify=fairseq_shard_plugin.cli.verify:main",
+            "fairseq-shard-estimate=fairseq_shard_plugin.cli.estimate:main",
         ],
     },
 )

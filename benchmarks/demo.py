@@ -22,7 +22,7 @@ from benchmarks.harness import (
     transformer_args,
     write_results,
 )
-from fairseq_shard_plugin.synthetic_corpus import make_corpus
+from fairseq_shard_plugin.cli.synthetic_data import make_corpus
 
 MIB = 1024**2
 

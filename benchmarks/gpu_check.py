@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from benchmarks.harness import REPO, run_training, training_args, transformer_args, write_results
-from fairseq_shard_plugin.synthetic_corpus import make_corpus
+from fairseq_shard_plugin.cli.synthetic_data import make_corpus
 
 GIB = 1024**3
 NLLB_VOCABULARY = 256_206  # fairseq's 4 special symbols included

@@ -150,9 +150,11 @@ def trainer_on_fake_group(fairseq_args: list[str], world_size: int) -> object:
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import fairseq_shard_plugin  # noqa: F401  (registers the plugin, as --user-dir does)
-    from fairseq_shard_plugin.precision import untie_bf16_from_tpu
-    from fairseq_shard_plugin.trainer import ShardedTrainer
+    import fairseq_shard_plugin
+
+    fairseq_shard_plugin.activate()  # as --user-dir does
+    from fairseq_shard_plugin.sharding.precision import untie_bf16_from_tpu
+    from fairseq_shard_plugin.training.trainer import ShardedTrainer
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     args = fairseq_options.parse_args_and_arch(fairseq_options.get_training_parser(),
@@ -171,8 +173,8 @@ def measure_one(options: argparse.Namespace, config: Configuration) -> dict:
     """Measure one step of ``config`` under a fake process group."""
     import torch
 
-    from fairseq_shard_plugin.allocator_meter import AllocatorMeter
-    from fairseq_shard_plugin.memory import storage_bytes
+    from fairseq_shard_plugin.memory.allocator_meter import AllocatorMeter
+    from fairseq_shard_plugin.memory.meters import storage_bytes
 
     world_size = config.world_size or options.world_size
     with tempfile.TemporaryDirectory() as data:

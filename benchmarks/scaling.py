@@ -20,7 +20,7 @@ from benchmarks.harness import (
     transformer_args,
     write_results,
 )
-from fairseq_shard_plugin.synthetic_corpus import make_corpus
+from fairseq_shard_plugin.cli.synthetic_data import make_corpus
 
 MODEL = transformer_args(dim=512, ffn=2048, layers=2)
 RUNS = [("plugin-1", 1, True), ("plugin-2", 2, True), ("plugin-4", 4, True), ("stock-2", 2, False)]

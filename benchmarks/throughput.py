@@ -39,8 +39,8 @@ from benchmarks.harness import (
     transformer_args,
     write_results,
 )
-from fairseq_shard_plugin.options import ShardingConfig
-from fairseq_shard_plugin.synthetic_corpus import make_corpus
+from fairseq_shard_plugin.cli.synthetic_data import make_corpus
+from fairseq_shard_plugin.sharding.options import ShardingConfig
 
 MIB = 1024**2
 WARMUP_UPDATES = 3  # the first updates build the iterator, FSDP's lazy state, Adam's state

@@ -1,19 +1,51 @@
 """fairseq user dir that makes ``--ddp-backend fully_sharded`` shard per layer and save memory.
 
-Loading it (``--user-dir fairseq_shard_plugin``) registers the plugin's tasks and installs
-its trainer; runs with any other ``--ddp-backend`` behave exactly as stock fairseq.
+Loading it as a user dir (``--user-dir fairseq_shard_plugin``) calls :func:`activate`:
+the plugin's tasks, criterion and architectures register with fairseq, checkpoint loading
+allows fairseq's config types, and the hooks of :mod:`.fairseq_integration` are installed.
+Runs with any other ``--ddp-backend`` behave exactly as stock fairseq.
+
+Importing the package or one of its modules for anything else (the memory model, the
+console scripts, a test) installs nothing: the entry points that need the plugin active
+(the Hydra callback, ``fairseq-shard-measure-train`` with ``--user-dir``) call
+:func:`activate` themselves.
+
+Subpackages, in the direction their imports point (each says what it owns):
+``cli`` -> ``training`` -> ``sharding``, ``checkpoint``, ``memory``, ``tasks`` -> fairseq;
+:mod:`.fairseq_integration` is the one module that installs hooks into fairseq;
+:mod:`.errors` is the base of every error the plugin reports in one line.
 """
 
-from fairseq_shard_plugin import (  # noqa: F401  (each registers with fairseq)
-    chunked_criterion,
-    nllb_architectures,
-    sharded_multilingual,
-    sharded_translation,
-)
-from fairseq_shard_plugin.integration import install
-from fairseq_shard_plugin.safe_loading import allow_fairseq_checkpoint_types
+from __future__ import annotations
+
+import sys
 
 __version__ = "0.1.0"
 
-allow_fairseq_checkpoint_types()
-install()
+
+def activate() -> None:
+    """What loading the user dir does: register, allow fairseq's checkpoint config types in
+    ``weights_only`` loading, install the hooks (each step idempotent)."""
+    from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
+    from fairseq_shard_plugin.fairseq_integration import install
+    from fairseq_shard_plugin.tasks import register
+
+    register()
+    allow_fairseq_checkpoint_types()
+    install()
+
+
+def _imported_as_user_dir() -> bool:
+    """True when fairseq's ``import_user_module`` is importing this package (``--user-dir``,
+    ``common.user_dir``): the only import that should activate the plugin by itself."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (frame.f_code.co_name == "import_user_module"
+                and frame.f_globals.get("__name__") == "fairseq.utils"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+if _imported_as_user_dir():
+    activate()

@@ -2,7 +2,7 @@
 
 ``fairseq-hydra-train`` imports ``common.user_dir`` only inside ``fairseq_cli.train.main``,
 after it has chosen how to launch: the plugin's launch and export hooks
-(:mod:`.integration`, hook 4) would come too late. Hydra runs the callbacks a config
+(:mod:`.fairseq_integration`, hook 4) would come too late. Hydra runs the callbacks a config
 names before the job itself, so the plugin's configs name this one:
 
 .. code-block:: yaml
@@ -23,7 +23,10 @@ from omegaconf import DictConfig
 
 
 class LoadShardPlugin(Callback):
-    """Imports the plugin (registrations and :func:`~.integration.install`) at job start."""
+    """Activates the plugin (registrations and :func:`~.fairseq_integration.install`) at job
+    start."""
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        import fairseq_shard_plugin  # noqa: F401  (importing it installs the hooks)
+        import fairseq_shard_plugin
+
+        fairseq_shard_plugin.activate()

@@ -14,7 +14,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import RunResult, run_training, training_args  # noqa: E402
-from fairseq_shard_plugin.synthetic_corpus import make_corpus  # noqa: E402
+from fairseq_shard_plugin.cli.synthetic_data import make_corpus  # noqa: E402
 
 from tiny_training import EVAL_BLEU, REFERENCE_UPDATES, TINY  # noqa: E402
 
@@ -31,7 +31,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def multilingual(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Binarised synthetic data in NLLB's layout: directions between LANGUAGES, langs.txt."""
     out = tmp_path_factory.mktemp("multilingual")
-    subprocess.run([sys.executable, "-m", "fairseq_shard_plugin.synthetic_corpus", str(out),
+    subprocess.run([sys.executable, "-m", "fairseq_shard_plugin.cli.synthetic_data", str(out),
                     "--languages", ",".join(LANGUAGES), "--train", "600", "--valid", "50"],
                    check=True, capture_output=True)
     return out / "bin"

@@ -35,18 +35,20 @@ from benchmarks.harness import (
     tool,
     training_args,
 )
-from fairseq_shard_plugin import consolidate, verify
-from fairseq_shard_plugin.atomic_files import (
+from fairseq_shard_plugin.checkpoint import consolidate, verify
+from fairseq_shard_plugin.checkpoint.atomic_files import (
     WriteError,
     remove_partial_files,
     write_atomically,
 )
-from fairseq_shard_plugin.checkpoint_sharded import (
+from fairseq_shard_plugin.checkpoint.sharded import (
     SHARDS_DIR,
     remove_unreferenced_shards,
     shard_directory,
 )
-from fairseq_shard_plugin.checkpoint_space import space_report
+from fairseq_shard_plugin.checkpoint.space import space_report
+from fairseq_shard_plugin.cli import consolidate as cli_consolidate
+from fairseq_shard_plugin.cli import verify as cli_verify
 
 from tiny_training import SHARDED, TINY, reshard, sharded_config
 
@@ -296,7 +298,7 @@ def test_consolidate_command_writes_16_bit_weights_that_from_pretrained_loads(
 ) -> None:
     _, save_dir = uninterrupted
     out = tmp_path / "model16.pt"
-    consolidate.main([str(save_dir), str(out), "--fp16"])  # fairseq-shard-consolidate
+    cli_consolidate.main([str(save_dir), str(out), "--fp16"])  # fairseq-shard-consolidate
     exported = torch.load(out, weights_only=True)
     final = torch.load(save_dir / "checkpoint_last.pt", weights_only=True)
     for name, tensor in exported["model"].items():
@@ -329,7 +331,7 @@ def test_consolidate_refuses_a_damaged_checkpoint_in_one_line(
         damaged.write_bytes(whole)
         flip_middle_byte(damaged)
     with pytest.raises(SystemExit) as stopped:
-        consolidate.main([str(tmp_path), str(tmp_path / "out.pt")])
+        cli_consolidate.main([str(tmp_path), str(tmp_path / "out.pt")])
     message = str(stopped.value.code)
     assert "\n" not in message and message.startswith("fairseq-shard-consolidate: error: ")
     assert named in message and ("truncated" in message or "CRC-32" in message)
@@ -342,7 +344,7 @@ def test_consolidate_names_a_destination_it_cannot_write(
     save_dir = uninterrupted[1]
     inside_a_file = save_dir / "checkpoint_last.pt" / "model.pt"
     with pytest.raises(SystemExit) as stopped:
-        consolidate.main([str(save_dir), str(inside_a_file)])
+        cli_consolidate.main([str(save_dir), str(inside_a_file)])
     message = str(stopped.value.code)
     assert message == ("fairseq-shard-consolidate: error: could not create the directory "
                        f"{save_dir / 'checkpoint_last.pt'}: File exists (EEXIST)")
@@ -352,7 +354,7 @@ def test_consolidate_names_a_pickled_type_it_will_not_load(tmp_path: Path) -> No
     checkpoint = tmp_path / "checkpoint_last.pt"
     torch.save({"model": {}, "cfg": None, "note": PurePosixPath("x")}, checkpoint)
     with pytest.raises(SystemExit) as stopped:
-        consolidate.main([str(checkpoint), str(tmp_path / "out.pt")])
+        cli_consolidate.main([str(checkpoint), str(tmp_path / "out.pt")])
     message = str(stopped.value.code)
     assert "\n" not in message
     assert f"{checkpoint}: holds a pickled pathlib.PurePosixPath, which the plugin " in message
@@ -373,7 +375,7 @@ def test_verify_tells_damaged_checkpoints_from_intact_ones(
     index = torch.load(sharded / "checkpoint_1_30.pt", weights_only=True)
     flip_middle_byte(next(shard_directory(sharded / "checkpoint_1_30.pt", index).glob("*.distcp")))
     with pytest.raises(SystemExit) as stopped:
-        verify.main([str(full), str(sharded)])
+        cli_verify.main([str(full), str(sharded)])
     assert stopped.value.code == 1
     out = capsys.readouterr().out
     assert f"{full / 'checkpoint_1_20.pt'}: corrupted checkpoint: archive/" in out
@@ -385,7 +387,7 @@ def test_verify_tells_damaged_checkpoints_from_intact_ones(
     assert f"{sharded / 'checkpoint_last.pt'}: ok (sharded, update 20, epoch 1)" in out
     assert out.strip().splitlines()[-1] == "4 of 11 checkpoints cannot be resumed from", out
     # the newest intact one skips the damaged update-30 shards
-    verify.main(["--newest", str(sharded)])
+    cli_verify.main(["--newest", str(sharded)])
     assert capsys.readouterr().out == f"{sharded / 'checkpoint_last.pt'}\n"
 
 
@@ -566,7 +568,7 @@ def test_checkpoints_reload_exactly_from_2_to_4_to_1_ranks_and_bad_ones_change_n
 def test_unworkable_checkpoint_options_are_refused_with_the_flag_named(
     corpus: Path, flags: list[str], named: str
 ) -> None:
-    from fairseq_shard_plugin.validation import ShardingConfigError, check_sharded_config
+    from fairseq_shard_plugin.training.validation import ShardingConfigError, check_sharded_config
 
     cfg = sharded_config(corpus, "--task", "sharded_translation", "--user-dir", str(PLUGIN_DIR),
                          "--cpu", *flags)

@@ -8,13 +8,16 @@ import pytest
 import torch
 from fairseq import options, tasks
 
-import fairseq_shard_plugin  # noqa: F401  (registers the criterion, as --user-dir does)
-from fairseq_shard_plugin.chunked_cross_entropy import chunked_label_smoothed_cross_entropy
-from fairseq_shard_plugin.memory import LiveTensorMeter
+from fairseq_shard_plugin.memory.meters import LiveTensorMeter
+from fairseq_shard_plugin.tasks.chunked_cross_entropy import chunked_label_smoothed_cross_entropy
 
 from fairseq.criterions.label_smoothed_cross_entropy import (  # isort: skip
     label_smoothed_nll_loss,
 )
+
+from fairseq_shard_plugin.tasks import register  # noqa: E402  # isort: skip
+
+register()  # the plugin's criterion, as --user-dir does
 
 SMALL = ["--arch", "transformer", "--share-all-embeddings", "--encoder-layers", "1",
          "--decoder-layers", "2", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",

@@ -21,7 +21,7 @@ from benchmarks.harness import (
     training_args,
     transformer_args,
 )
-from fairseq_shard_plugin.validation import (
+from fairseq_shard_plugin.training.validation import (
     ShardingConfigError,
     check_sharded_config,
     ignored_fsdp_flags,

@@ -14,7 +14,8 @@ import torch
 from fairseq import tasks
 
 from benchmarks.harness import PLUGIN_DIR, run_concurrently
-from fairseq_shard_plugin.estimate import (
+from fairseq_shard_plugin.cli.estimate_command import flags_from_training_command
+from fairseq_shard_plugin.memory.estimate import (
     EstimateError,
     parse,
     parser,
@@ -22,8 +23,7 @@ from fairseq_shard_plugin.estimate import (
     shape_from_fairseq,
     shape_of,
 )
-from fairseq_shard_plugin.estimate_command import flags_from_training_command
-from fairseq_shard_plugin.memory_model import (
+from fairseq_shard_plugin.memory.model import (
     GIB,
     TOKENS_STEP,
     ModelShape,
@@ -33,7 +33,7 @@ from fairseq_shard_plugin.memory_model import (
     largest_tokens,
     transformer_shape,
 )
-from fairseq_shard_plugin.run_estimate import (
+from fairseq_shard_plugin.memory.run_estimate import (
     RunDescription,
     describe_run,
     predict,

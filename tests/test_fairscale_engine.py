@@ -24,8 +24,8 @@ from benchmarks.harness import (
     tool,
     training_args,
 )
-from fairseq_shard_plugin.safe_loading import allow_fairseq_checkpoint_types
-from fairseq_shard_plugin.validation import ShardingConfigError, check_fairscale_engine
+from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
+from fairseq_shard_plugin.training.validation import ShardingConfigError, check_fairscale_engine
 
 from tiny_training import TINY, sharded_config
 

@@ -182,8 +182,8 @@ def test_full_and_sharded_state_load_into_shards_of_any_shape(ranks: int, tmp_pa
 
 
 def test_a_scalar_parameter_is_named_before_anything_is_sharded() -> None:
-    from fairseq_shard_plugin.engines.fsdp2 import refuse_scalar_parameters
-    from fairseq_shard_plugin.validation import ShardingConfigError
+    from fairseq_shard_plugin.sharding.engines.fsdp2 import refuse_scalar_parameters
+    from fairseq_shard_plugin.training.validation import ShardingConfigError
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     refuse_scalar_parameters(model)  # vectors and matrices are fine

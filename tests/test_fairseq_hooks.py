@@ -13,6 +13,7 @@ import fairseq
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+PLUGIN_DIR = REPO / "fairseq_shard_plugin"
 
 
 def run_python(code: str) -> subprocess.CompletedProcess[str]:
@@ -39,7 +40,8 @@ def test_a_foreign_functools_wraps_wrapper_is_wrapped_not_taken_for_the_plugins(
         assert hasattr(profiled, "__wrapped__")
 
         import fairseq_shard_plugin
-        from fairseq_shard_plugin import integration
+        fairseq_shard_plugin.activate()
+        from fairseq_shard_plugin import fairseq_integration as integration
 
         hook = checkpoint_utils.load_checkpoint_to_cpu
         assert hook is not profiled, "the plugin skipped its hook"
@@ -69,9 +71,36 @@ def test_a_fairseq_without_a_hooked_function_fails_in_one_line_naming_its_versio
     result = run_python(f"""
         {break_it}
         import fairseq_shard_plugin
+        fairseq_shard_plugin.activate()
     """)
     assert result.returncode != 0, result.stdout[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: fairseq_shard_plugin does not support fairseq "
                            f"{fairseq.__version__}: "), last
     assert said in last, last
+
+
+def test_importing_installs_nothing_loading_the_user_dir_installs_everything() -> None:
+    """Importing a module of the plugin (here the pure-arithmetic memory model) leaves fairseq
+    as it is; fairseq's own user-dir loading (``--user-dir``) activates the plugin."""
+    result = run_python(f"""
+        import sys
+        from argparse import Namespace
+        import fairseq.checkpoint_utils as checkpoint_utils
+        import fairseq_cli.train as train_cli
+        from fairseq import utils
+        from fairseq.tasks import TASK_REGISTRY
+
+        def hooked():
+            return hasattr(checkpoint_utils.load_checkpoint_to_cpu, "_fairseq_shard_plugin_hook")
+
+        import fairseq_shard_plugin.memory.model
+        assert not hooked() and "sharded_translation" not in TASK_REGISTRY
+        del sys.modules["fairseq_shard_plugin"]  # as if not imported: fairseq skips those
+        utils.import_user_module(Namespace(user_dir={str(PLUGIN_DIR)!r}))
+        assert hooked() and "sharded_translation" in TASK_REGISTRY
+        assert getattr(train_cli, "_fairseq_shard_plugin_installed", False)
+        print("installed by the user dir only")
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "installed by the user dir only"

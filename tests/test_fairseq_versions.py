@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from fairseq_shard_plugin import integration
-from fairseq_shard_plugin.checkpoint_sharded import SHARDED_KEY
+from fairseq_shard_plugin import fairseq_integration as integration
+from fairseq_shard_plugin.checkpoint.sharded import SHARDED_KEY
+from fairseq_shard_plugin.training import run_hooks
 
 
 def never_called(*args: Any) -> Any:
@@ -31,7 +32,7 @@ def test_the_branchs_fp16_cast_on_load_spares_fp32_masters(tmp_path: Path) -> No
     torch.save({"cfg": {"common": {"fp16": False, "memory_efficient_fp16": True}},
                 "model": dict(weights)}, full)
     assert load(str(full))["model"]["w"].dtype == torch.float16  # inference: the branch's rule
-    with integration.loading_into_trainer(lambda path, state: state):
+    with run_hooks.loading_into_trainer(lambda path, state: state):
         assert torch.equal(load(str(full))["model"]["w"], weights["w"])  # exact fp32 masters
     index = tmp_path / "index.pt"
     torch.save({"cfg": {"common": {"fp16": True}}, "model": {"w": {"__shard__": "w"}},

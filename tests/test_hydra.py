@@ -20,7 +20,7 @@ from benchmarks.harness import (
     run_like_srun,
     tool,
 )
-from fairseq_shard_plugin.options import ShardingConfig
+from fairseq_shard_plugin.sharding.options import ShardingConfig
 
 CONFIGS = REPO / "configs" / "nllb"
 

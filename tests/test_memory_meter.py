@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fairseq_shard_plugin.allocator_meter import AllocatorMeter
-from fairseq_shard_plugin.memory import LiveTensorMeter, StepMemoryProbe, storage_bytes
+from fairseq_shard_plugin.memory.allocator_meter import AllocatorMeter
+from fairseq_shard_plugin.memory.meters import LiveTensorMeter, StepMemoryProbe, storage_bytes
 
 
 def test_counts_resident_and_new_tensors_and_frees() -> None:

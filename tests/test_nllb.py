@@ -13,15 +13,17 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf, merge_with_p
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from omegaconf import OmegaConf
 
-import fairseq_shard_plugin  # noqa: F401  (registers the architectures, as --user-dir does)
 from benchmarks.harness import REPO, run_training
-from fairseq_shard_plugin.multilingual_config import (
+from fairseq_shard_plugin.tasks import register  # noqa: E402
+from fairseq_shard_plugin.tasks.multilingual_config import (
     MultilingualOptionError,
     ShardedMultilingualConfig,
     task_namespace,
     task_options,
     task_parser,
 )
+
+register()  # the plugin's tasks, criterion and architectures, as --user-dir does
 
 VOCABULARY = 256_206
 

@@ -1,7 +1,7 @@
 """A rank that runs out of memory stops the run with one line, instead of a hang.
 
 fairseq would drop the batch on that rank alone and go on, while the other ranks wait in
-the step's collectives for it (see ``fairseq_shard_plugin.out_of_memory``).
+the step's collectives for it (see ``fairseq_shard_plugin.training.out_of_memory``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.harness import PLUGIN_DIR, REPO, start_ranks, training_args
-from fairseq_shard_plugin.checkpoint_space import readable
-from fairseq_shard_plugin.estimate import run as run_estimator
-from fairseq_shard_plugin.memory_model import GIB
-from fairseq_shard_plugin.out_of_memory import smaller_step_advice
+from fairseq_shard_plugin.checkpoint.space import readable
+from fairseq_shard_plugin.memory.estimate import run as run_estimator
+from fairseq_shard_plugin.memory.model import GIB
+from fairseq_shard_plugin.training.out_of_memory import smaller_step_advice
 
 from tiny_training import TINY, sharded_config
 

@@ -34,8 +34,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from fairseq_shard_plugin import consolidate, verify
-from fairseq_shard_plugin.checkpoint_sharded import (
+from fairseq_shard_plugin.checkpoint import consolidate, verify
+from fairseq_shard_plugin.checkpoint.shard_metadata import (
+    MetadataUnpickler,
+    SafeFileSystemReader,
+    UnsafeMetadataError,
+)
+from fairseq_shard_plugin.checkpoint.sharded import (
     SHARDED_KEY,
     SHARDS_DIR,
     ShardedCheckpointError,
@@ -45,11 +50,8 @@ from fairseq_shard_plugin.checkpoint_sharded import (
     save_sharded,
     shard_directory,
 )
-from fairseq_shard_plugin.shard_metadata import (
-    MetadataUnpickler,
-    SafeFileSystemReader,
-    UnsafeMetadataError,
-)
+from fairseq_shard_plugin.cli import consolidate as cli_consolidate
+from fairseq_shard_plugin.cli import verify as cli_verify
 
 INDEX = "checkpoint_last.pt"
 
@@ -227,13 +229,13 @@ def test_crafted_metadata_is_refused_on_every_read_path(
     assert not verdict.intact
     _one_line_refusal(verdict.line, index_file, refused)
     with pytest.raises(SystemExit) as stopped:
-        verify.main([str(index_file.parent)])
+        cli_verify.main([str(index_file.parent)])
     assert stopped.value.code == 1
     _one_line_refusal(capsys.readouterr().out.splitlines()[0], index_file, refused)
 
     out = tmp_path / "model.pt"
     with pytest.raises(SystemExit) as stopped:
-        consolidate.main([str(index_file.parent), str(out)])
+        cli_consolidate.main([str(index_file.parent), str(out)])
     message = str(stopped.value.code)
     assert message.startswith("fairseq-shard-consolidate: error: "), message
     _one_line_refusal(message.removeprefix("fairseq-shard-consolidate: error: "), index_file,

@@ -20,7 +20,7 @@ from benchmarks.harness import (
     tool,
     training_args,
 )
-from fairseq_shard_plugin.data_position import convert_position, record_ranks
+from fairseq_shard_plugin.training.data_position import convert_position, record_ranks
 
 from tiny_training import REFERENCE_UPDATES, TINY, relative_difference
 
@@ -284,7 +284,7 @@ def test_the_wrapped_training_entry_survives_fairseqs_own_spawn() -> None:
 
     import fairseq_cli.train as train_cli
 
-    from fairseq_shard_plugin.integration import _TrainThenExport
+    from fairseq_shard_plugin.fairseq_integration import _TrainThenExport
 
     unpickled = pickle.loads(pickle.dumps(_TrainThenExport(train_cli.main)))
     assert unpickled.main is train_cli.main

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError
-from fairseq_shard_plugin.stock_optimizer_state import adopt_stock_optimizer_state
+from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError
+from fairseq_shard_plugin.checkpoint.stock_optimizer_state import adopt_stock_optimizer_state
 
 SHAPES = [torch.Size([8, 4]), torch.Size([4])]
 

@@ -13,8 +13,10 @@ import torch
 import torch.nn as nn
 from fairseq import options, tasks
 
-import fairseq_shard_plugin  # noqa: F401  (registers the plugin, as --user-dir does)
-from fairseq_shard_plugin.wrap_policy import LAYER_CLASSES, build_plan, is_linear_layer
+from fairseq_shard_plugin.sharding.wrap_policy import LAYER_CLASSES, build_plan, is_linear_layer
+from fairseq_shard_plugin.tasks import register  # noqa: E402
+
+register()  # the plugin's tasks, criterion and architectures, as --user-dir does
 
 REPO = Path(__file__).resolve().parents[1]
 

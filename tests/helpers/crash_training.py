@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 import fairseq.checkpoint_utils as checkpoint_utils
 import torch.distributed as dist
 
-import fairseq_shard_plugin.atomic_files as atomic_files
+import fairseq_shard_plugin.checkpoint.atomic_files as atomic_files
 
 MODE, UPDATE = sys.argv[1], int(sys.argv[2])
 rank_pids: list[int] = []

@@ -27,12 +27,14 @@ from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from process_group import leave_process_group
 
-import fairseq_shard_plugin  # noqa: F401  (registers the plugin, as --user-dir does)
-from fairseq_shard_plugin.engines import build_engine
-from fairseq_shard_plugin.engines import fairscale as engine
-from fairseq_shard_plugin.options import sharding_options
-from fairseq_shard_plugin.precision import compute_dtype
-from fairseq_shard_plugin.wrap_policy import LAYER_CLASSES, build_plan
+import fairseq_shard_plugin
+from fairseq_shard_plugin.sharding.engines import build_engine
+from fairseq_shard_plugin.sharding.engines import fairscale as engine
+from fairseq_shard_plugin.sharding.options import sharding_options
+from fairseq_shard_plugin.sharding.precision import compute_dtype
+from fairseq_shard_plugin.sharding.wrap_policy import LAYER_CLASSES, build_plan
+
+fairseq_shard_plugin.activate()  # as --user-dir does
 
 
 def _expected_shard(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:

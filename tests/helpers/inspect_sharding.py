@@ -19,8 +19,8 @@ from sharded_setup import build_trainer
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from fairseq_shard_plugin.gradients import global_grad_norm
-from fairseq_shard_plugin.wrap_policy import LAYER_CLASSES
+from fairseq_shard_plugin.sharding.gradients import global_grad_norm
+from fairseq_shard_plugin.sharding.wrap_policy import LAYER_CLASSES
 
 
 def main() -> None:

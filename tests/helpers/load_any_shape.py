@@ -20,10 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from fairseq_shard_plugin.checkpoint_sharded import load_tensors, save_sharded
-from fairseq_shard_plugin.engines import Fsdp2Engine
-from fairseq_shard_plugin.full_state import gather_full_state, loading_full_tensors_into_shards
-from fairseq_shard_plugin.wrap_policy import build_plan
+from fairseq_shard_plugin.checkpoint.sharded import load_tensors, save_sharded
+from fairseq_shard_plugin.sharding.engines import Fsdp2Engine
+from fairseq_shard_plugin.sharding.full_state import (
+    gather_full_state,
+    loading_full_tensors_into_shards,
+)
+from fairseq_shard_plugin.sharding.wrap_policy import build_plan
 
 SHAPES = {"dim0_of_1": (1, 1, 8), "one": (1,), "dim0_below_ranks": (2, 3),
           "uneven": (7, 3), "vector": (5,), "even": (12, 4)}

@@ -20,10 +20,10 @@ from process_group import leave_process_group
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from fairseq_shard_plugin.full_state import gather_full_state
-from fairseq_shard_plugin.gradients import global_grad_norm
-from fairseq_shard_plugin.local_shards import LocalShards
-from fairseq_shard_plugin.precision import ShardedMasterOptimizer
+from fairseq_shard_plugin.sharding.full_state import gather_full_state
+from fairseq_shard_plugin.sharding.gradients import global_grad_norm
+from fairseq_shard_plugin.sharding.local_shards import LocalShards
+from fairseq_shard_plugin.sharding.precision import ShardedMasterOptimizer
 
 STEPS = 6
 ADAM = {"adam_betas": "(0.9, 0.98)", "adam_eps": 1e-8, "weight_decay": 0.01, "lr": [3e-2],

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from process_group import leave_process_group
 from sharded_setup import build_trainer
 
-from fairseq_shard_plugin.full_state import gather_full_state
+from fairseq_shard_plugin.sharding.full_state import gather_full_state
 
 
 def main() -> None:

@@ -23,11 +23,13 @@ import torch.distributed as dist
 from process_group import leave_process_group
 from sharded_setup import build_trainer
 
-import fairseq_shard_plugin  # noqa: F401  (registers the plugin, as --user-dir does)
-from fairseq_shard_plugin.checkpoint_errors import CheckpointLoadError
-from fairseq_shard_plugin.consolidate import read_full_state
-from fairseq_shard_plugin.full_state import gather_full_state
-from fairseq_shard_plugin.trainer import ShardedTrainer
+import fairseq_shard_plugin
+from fairseq_shard_plugin.checkpoint.consolidate import read_full_state
+from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError
+from fairseq_shard_plugin.sharding.full_state import gather_full_state
+from fairseq_shard_plugin.training.trainer import ShardedTrainer
+
+fairseq_shard_plugin.activate()  # as --user-dir does
 
 
 def gathered(trainer: ShardedTrainer) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -9,8 +9,10 @@ import torch.distributed as dist
 from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-import fairseq_shard_plugin  # noqa: F401  (registers the plugin, as --user-dir does)
-from fairseq_shard_plugin.trainer import ShardedTrainer
+import fairseq_shard_plugin
+from fairseq_shard_plugin.training.trainer import ShardedTrainer
+
+fairseq_shard_plugin.activate()  # as --user-dir does
 
 
 def build_trainer(fairseq_args: list[str]) -> tuple[ShardedTrainer, Any, dict[str, torch.Tensor]]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from fairseq_shard_plugin.trainer import ShardedTrainer
+from fairseq_shard_plugin.training.trainer import ShardedTrainer
 
 
 def shard_digest(model: torch.nn.Module) -> str:

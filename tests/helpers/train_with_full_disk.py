@@ -15,7 +15,7 @@ import signal
 import sys
 from typing import Any
 
-from fairseq_shard_plugin.trainer import ShardedTrainer
+from fairseq_shard_plugin.training.trainer import ShardedTrainer
 
 FULL_AFTER_UPDATE = int(os.environ["FULL_AFTER_UPDATE"])
 FILE_LIMIT = int(os.environ["FILE_LIMIT"])

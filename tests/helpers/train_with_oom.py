@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
-from fairseq_shard_plugin.trainer import ShardedTrainer
+from fairseq_shard_plugin.training.trainer import ShardedTrainer
 
 INJECT_UPDATE = int(os.environ["INJECT_UPDATE"])
 INJECT_IN_TRAINING = os.environ["INJECT_PHASE"] == "train"

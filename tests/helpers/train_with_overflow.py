@@ -15,9 +15,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from fairseq_shard_plugin.full_state import gather_full_state
-from fairseq_shard_plugin.precision import ShardedMasterOptimizer
-from fairseq_shard_plugin.trainer import ShardedTrainer
+from fairseq_shard_plugin.sharding.full_state import gather_full_state
+from fairseq_shard_plugin.sharding.precision import ShardedMasterOptimizer
+from fairseq_shard_plugin.training.trainer import ShardedTrainer
 
 INJECT_UPDATE = int(os.environ["INJECT_UPDATE"])
 inject_now = False

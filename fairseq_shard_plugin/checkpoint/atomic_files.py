@@ -1,0 +1,117 @@
+"""Crash-safe checkpoint files: a checkpoint name only ever points at a complete file.
+
+Every write goes to a hidden temporary name in the same directory, is flushed and
+fsynced, then renamed over the final name with ``os.replace`` (atomic on POSIX), and the
+directory is fsynced so the rename itself survives a power loss. A process killed at any
+moment leaves either the previous complete file or the new complete file under the name,
+plus at most a leftover ``.NAME.partial-PID`` file that :func:`remove_partial_files`
+deletes at the next save. The temporary names match none of fairseq's checkpoint patterns,
+so neither resume nor ``--keep-interval-updates`` ever picks them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from fairseq_shard_plugin.errors import ShardPluginError
+
+_PARTIAL_MARK = ".partial-"
+_COPY_CHUNK = 1 << 20
+
+
+def partial_name(path: Path) -> Path:
+    """The temporary name a write of ``path`` goes to before it is renamed into place."""
+    return path.with_name(f".{path.name}{_PARTIAL_MARK}{os.getpid()}")
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make renames and creations in ``directory`` durable."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+class WriteError(ShardPluginError, OSError):
+    """A file that could not be written (a full disk, a quota, permissions); the message
+    names it and says that what was under its name is unchanged."""
+
+
+def os_error_behind(error: BaseException) -> OSError | None:
+    """The operating system's error behind ``error``, if any: torch's writers and DCP
+    re-raise a failed write as their own errors (DCP keeps each rank's in ``failures``,
+    as (exception, stack) pairs)."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError):
+            return current
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                failure = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(failure, BaseException):
+                    pending.append(failure)
+        pending.extend((current.__cause__, current.__context__))
+    return None
+
+
+def describe_os_error(error: OSError) -> str:
+    """``No space left on device (ENOSPC)`` and the like."""
+    name = errno.errorcode.get(error.errno or 0)
+    return f"{error.strerror or error}" + (f" ({name})" if name else "")
+
+
+def write_atomically(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+    """Call ``write(file)`` on a temporary file, then move it to ``path`` in one step.
+
+    A write the system refuses raises :class:`WriteError` (the temporary file removed)."""
+    path = Path(path)
+    temporary = partial_name(path)
+    try:
+        with open(temporary, "wb") as out:
+            write(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+    except BaseException as error:
+        temporary.unlink(missing_ok=True)
+        cause = os_error_behind(error)
+        if cause is None or isinstance(error, WriteError) or not isinstance(error, Exception):
+            raise
+        raise WriteError(f"could not write {path}: {describe_os_error(cause)}; "
+                         f"{path.name} is unchanged") from error
+    fsync_directory(path.parent)
+
+
+def copy_file_contents(source: Path, out: BinaryIO) -> None:
+    """Copy the bytes of ``source`` into the open file ``out``."""
+    with open(source, "rb") as src:
+        shutil.copyfileobj(src, out, _COPY_CHUNK)
+
+
+def copy_atomically(source: str | Path, destination: str | Path) -> None:
+    """Copy ``source`` to ``destination``; ``destination`` is never seen half-written."""
+    write_atomically(destination, lambda out: copy_file_contents(Path(source), out))
+
+
+def remove_partial_files(directory: str | Path) -> list[Path]:
+    """Delete temporary files left by writes that a crash interrupted; return them."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    leftovers = [p for p in directory.iterdir()
+                 if p.name.startswith(".") and _PARTIAL_MARK in p.name and p.is_file()]
+    for leftover in leftovers:
+        leftover.unlink(missing_ok=True)
+    return leftovers

@@ -1,0 +1,142 @@
+"""Explain, in one line, why a checkpoint could not be loaded into the model."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fairseq_shard_plugin.checkpoint.atomic_files import WriteError
+from fairseq_shard_plugin.checkpoint.integrity import RESUME_HINT
+from fairseq_shard_plugin.errors import ShardPluginError
+
+
+class CheckpointLoadError(ShardPluginError, RuntimeError):
+    """A checkpoint that cannot be loaded; the message names the file and the mismatch."""
+
+
+class CheckpointWriteError(WriteError):
+    """A checkpoint save the system refused (a full disk, say); says how to go on."""
+
+
+def save_failure(error: WriteError, save_dir: str) -> CheckpointWriteError:
+    """``error`` with what to do: free space, then resume from the intact checkpoints."""
+    return CheckpointWriteError(
+        f"{error}. Free space in {save_dir} and run the same command again: it resumes "
+        "from checkpoint_last.pt (fairseq-shard-verify checks what is there)")
+
+
+def state_dict_shapes(module: torch.nn.Module) -> dict[str, torch.Size]:
+    """The names and shapes ``module.state_dict()`` has, without calling it (no collective):
+    tied parameters under every name that holds them, and persistent buffers."""
+    shapes: dict[str, torch.Size] = {}
+    for prefix, submodule in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, tensor in submodule._parameters.items():
+            if tensor is not None:
+                shapes[dot + name] = tensor.shape
+        for name, tensor in submodule._buffers.items():
+            if tensor is not None and name not in submodule._non_persistent_buffers_set:
+                shapes[dot + name] = tensor.shape
+    return shapes
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+# torch's load_state_dict collects each parameter's failure under this heading
+_LOAD_STATE_DICT_HEADING = "Error(s) in loading state_dict for "
+
+
+def first_cause(error: BaseException) -> str:
+    """The innermost exception behind ``error`` as ``Type: first line``.
+
+    fairseq re-raises a failed ``load_state_dict`` as "please ensure that the architectures
+    match", whatever the reason; the reason is the exception it was raised from (or during).
+    torch's ``load_state_dict`` error lists each parameter's failure after a heading line:
+    the first of them is the line that says what went wrong.
+    """
+    seen = {id(error)}
+    while True:
+        inner = error.__cause__ or error.__context__
+        if inner is None or id(inner) in seen:
+            break
+        seen.add(id(inner))
+        error = inner
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith(_LOAD_STATE_DICT_HEADING):
+        return f"{type(error).__name__}: {lines[1]}"
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+# how torch's weights_only unpickler names a type it refused, in its two messages
+_REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)"
+                             r"|allowlisted via `add_safe_globals`, but got <class '([^']+)'>")
+
+
+def describe_unreadable(filename: str | Path, error: BaseException) -> str:
+    """One line for a checkpoint ``torch.load(weights_only=True)`` could not read: a pickled
+    type outside the allow-list (named), or a damaged file."""
+    refused = _REFUSED_GLOBAL.search(str(error))
+    if refused:
+        name = refused.group(1) or refused.group(2)
+        return (f"{filename}: holds a pickled {name}, which the plugin does not load "
+                "(weights_only=True: unpickling it could run code); re-save the checkpoint "
+                "without it where it was written")
+    size = Path(filename).stat().st_size if Path(filename).exists() else 0
+    return (f"{filename}: unreadable checkpoint ({size} bytes; truncated or corrupted?): "
+            f"{_first_line(error)}")
+
+
+def describe_checkpoint_problem(
+    filename: str, model_shapes: dict[str, torch.Size], error: BaseException
+) -> str:
+    """Diagnose a failed load: unreadable file, then shape or key mismatches, else ``error``."""
+    try:
+        state = torch.load(filename, map_location="cpu", weights_only=True, mmap=True)
+        saved = state["model"]
+    except Exception as read_error:  # any failure to read means the file is unreadable
+        return f"{describe_unreadable(filename, read_error)}; {RESUME_HINT}"
+    shapes = {name: tuple(tensor.shape) for name, tensor in saved.items()}
+    problem = describe_shape_mismatch(filename, shapes, model_shapes)
+    if problem:
+        return problem
+    return f"{filename}: could not be loaded: {first_cause(error)}"
+
+
+def describe_shape_mismatch(
+    filename: str, saved: dict[str, tuple[int, ...]], model_shapes: dict[str, Any]
+) -> str | None:
+    """One line naming the first parameter whose name or shape differs, else None."""
+    for name, shape in model_shapes.items():
+        if name in saved and tuple(saved[name]) != tuple(shape):
+            hint = " (a different vocabulary/dictionary?)" if "embed_tokens" in name else (
+                " (a different architecture?)")
+            return (f"{filename}: does not match the model: {name} has shape "
+                    f"{list(saved[name])} in the checkpoint and {list(shape)} in the "
+                    f"model{hint}")
+    missing = sorted(set(model_shapes) - set(saved))
+    unexpected = sorted(set(saved) - set(model_shapes))
+    if missing or unexpected:
+        return (f"{filename}: does not match the model: {len(missing)} missing parameters "
+                f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]}); "
+                "check --arch and the layer counts")
+    return None
+
+
+def refuse_to_skip_fairscale_shards(filename: str) -> None:
+    """fairseq's own ``fully_sharded`` (fairscale) names its checkpoints
+    ``checkpoint_last-shard0.pt``, ...; the plugin's trainer looks for the plain name, and
+    fairseq would start from scratch without a word when only the shard files exist."""
+    stem, extension = os.path.splitext(filename)
+    shard = f"{stem}-shard0{extension}"
+    if not os.path.exists(filename) and os.path.exists(shard):
+        raise CheckpointLoadError(
+            f"{filename} does not exist but {shard} does (written by fairseq's own "
+            f"--ddp-backend fully_sharded): pass --restore-file {shard} to continue from it, "
+            "or use another --save-dir to start afresh")

@@ -1,0 +1,324 @@
+"""Sharded checkpoints (``--checkpoint-format sharded``) with torch.distributed.checkpoint.
+
+A sharded checkpoint is two things:
+
+* a directory ``SAVE_DIR/checkpoint_shards/u<updates>-<id>/`` written by
+  ``torch.distributed.checkpoint`` (DCP): every rank writes only its own shards of the
+  model, the fp32 masters' optimizer state (Adam moments) and any other tensor;
+* an *index* under fairseq's usual names (``checkpoint_1_20.pt``, ``checkpoint_last.pt``,
+  ...): an ordinary small fairseq checkpoint file in which every tensor is replaced by a
+  reference ``{"__shard__": path}`` and ``"sharded_checkpoint"`` names the directory. It
+  keeps everything else fairseq stores (config, lr scheduler, data iterator position,
+  loss scale, meters), so fairseq's own logic (``--restore-file``, ``--reset-*``,
+  ``--keep-interval-updates``, ``checkpoint_last``/``best`` copies) works on it unchanged.
+
+The index is written, atomically, only after DCP has finished the directory (its
+``.metadata`` is written last), so a crash never leaves an index pointing at an
+incomplete directory; directories no index refers to are deleted after each save
+(:func:`remove_unreferenced_shards`). DCP reshards on load, so a checkpoint written on N
+ranks loads on any other number of ranks.
+
+Reading one runs no code from it: the index is read with ``weights_only=True``, its shard
+directory must be one of ``checkpoint_shards/`` beside it (:func:`shard_directory`), and
+DCP's ``.metadata`` is unpickled only through an allow-list (``shard_metadata``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+
+from fairseq_shard_plugin.checkpoint.atomic_files import (
+    WriteError,
+    describe_os_error,
+    os_error_behind,
+)
+from fairseq_shard_plugin.checkpoint.integrity import (
+    RESUME_HINT,
+    corruption_message,
+    mismatched_shard_files,
+    shard_checksums,
+)
+from fairseq_shard_plugin.checkpoint.shard_metadata import SafeFileSystemReader, UnsafeMetadataError
+from fairseq_shard_plugin.errors import ShardPluginError
+
+SHARDED_KEY = "sharded_checkpoint"
+SHARDS_DIR = "checkpoint_shards"
+_REF = "__shard__"
+
+
+class ShardedCheckpointError(ShardPluginError, RuntimeError):
+    """A sharded checkpoint that cannot be used; the message names the file and the problem."""
+
+
+# ---------------------------------------------------------------- state <-> (skeleton, tensors)
+
+
+def split_tensors(state: Any, path: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """Replace every tensor in a nested state by ``{"__shard__": path}``; return both parts.
+
+    A tensor object found again (a tied weight under its other names) refers to the path
+    where it was first found, so it is written once."""
+    tensors: dict[str, torch.Tensor] = {}
+    first_path: dict[int, str] = {}
+
+    def walk(value: Any, where: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            if id(value) in first_path:
+                return {_REF: first_path[id(value)]}
+            first_path[id(value)] = where
+            tensors[where] = value
+            return {_REF: where}
+        if isinstance(value, dict):
+            return type(value)((k, walk(v, f"{where}/{k}" if where else str(k)))
+                               for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v, f"{where}/{i}") for i, v in enumerate(value))
+        return value
+
+    return walk(state, path), tensors
+
+
+def fill_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`split_tensors`."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {_REF}:
+            return tensors[skeleton[_REF]]
+        return type(skeleton)((k, fill_tensors(v, tensors)) for k, v in skeleton.items())
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(fill_tensors(v, tensors) for v in skeleton)
+    return skeleton
+
+
+def tensor_paths(skeleton: Any) -> list[str]:
+    """The paths a skeleton refers to, each once (a tied weight's names share one), in
+    order of first reference."""
+    found: dict[str, None] = {}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            if set(value) == {_REF}:
+                found[value[_REF]] = None
+                return
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    walk(skeleton)
+    return list(found)
+
+
+def is_sharded_index(state: Any) -> bool:
+    return isinstance(state, dict) and SHARDED_KEY in state
+
+
+# ---------------------------------------------------------------- saving
+
+
+def _new_shard_dir(save_dir: Path, num_updates: int) -> str:
+    """A fresh directory name, chosen by rank 0 and agreed on by all ranks."""
+    name = [f"{SHARDS_DIR}/u{num_updates}-{time.time_ns():x}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def save_sharded(state: dict[str, Any], save_dir: str | Path, num_updates: int) -> dict:
+    """Collective: write the tensors of ``state`` with DCP; return the index (no tensors)."""
+    save_dir = Path(save_dir)
+    skeleton, tensors = split_tensors(state)
+    relative = _new_shard_dir(save_dir, num_updates)
+    try:
+        dcp.save(tensors, checkpoint_id=save_dir / relative)
+    except (Exception, CheckpointException) as error:  # (a BaseException) on every rank
+        cause = os_error_behind(error)
+        if cause is None:
+            raise
+        shutil.rmtree(save_dir / relative, ignore_errors=True)  # no index refers to it yet
+        raise WriteError(
+            f"could not write the shards of update {num_updates} to {save_dir / relative}: "
+            f"{describe_os_error(cause)}; removed them, the checkpoints saved before are "
+            "unchanged") from error
+    skeleton[SHARDED_KEY] = {
+        "dir": relative,
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "version": 1,
+        "crc32": shard_checksums(save_dir / relative),
+    }
+    return skeleton
+
+
+def remove_unreferenced_shards(
+    save_dir: str | Path, read_index: Callable[[Path], Any]
+) -> list[Path]:
+    """Delete shard directories that no checkpoint file in ``save_dir`` refers to."""
+    save_dir = Path(save_dir)
+    shards = save_dir / SHARDS_DIR
+    if not shards.is_dir():
+        return []
+    referenced = set()
+    for checkpoint in save_dir.glob("*.pt"):
+        try:
+            index = read_index(checkpoint)
+        except Exception:  # an unreadable file refers to nothing we can know: keep all
+            return []
+        if is_sharded_index(index):
+            referenced.add((save_dir / index[SHARDED_KEY]["dir"]).resolve())
+    removed = []
+    for directory in shards.iterdir():
+        if directory.is_dir() and directory.resolve() not in referenced:
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    return removed
+
+
+# ---------------------------------------------------------------- loading
+
+
+def shard_directory(index_file: str | Path, index: dict[str, Any]) -> Path:
+    """The DCP directory of an index, resolved next to the index file.
+
+    It must be a directory of ``checkpoint_shards/`` beside the index file (symlinks
+    resolved), as :func:`save_sharded` names them; any other, e.g. ``../elsewhere`` or an
+    absolute path, is refused."""
+    entry = index.get(SHARDED_KEY)
+    relative = entry.get("dir") if isinstance(entry, dict) else None
+    if not isinstance(relative, str) or not relative or "\0" in relative:
+        raise ShardedCheckpointError(
+            f"{index_file}: its {SHARDED_KEY} entry names no shard directory")
+    save_dir = Path(index_file).resolve().parent
+    directory = (save_dir / relative).resolve()
+    if directory.parent != (save_dir / SHARDS_DIR).resolve():
+        shown = relative if relative.isprintable() else repr(relative)
+        raise ShardedCheckpointError(
+            f"{index_file}: refusing its shard directory {shown[:200]}: it resolves to "
+            f"{directory}, not to a directory of {save_dir / SHARDS_DIR}")
+    return directory
+
+
+def read_shard_metadata(
+    index_file: str | Path, index: dict[str, Any], collective: bool = False
+) -> dict[str, Any]:
+    """DCP's metadata of every tensor path in the index; one-line errors if unusable.
+
+    Shard files are checked against the CRC-32 recorded at save time (indexes written
+    before checksums existed have none); ``collective`` splits that work among the ranks,
+    which must all call it.
+    """
+    directory = shard_directory(index_file, index)
+    checksums = index[SHARDED_KEY].get("crc32") or {}
+    strays = [name for name in checksums
+              if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..")]
+    if strays:
+        raise ShardedCheckpointError(
+            f"{index_file}: its checksums name {str(strays[0])[:200]!r}, not a file of its "
+            "shard directory")
+    if not directory.is_dir():
+        raise ShardedCheckpointError(
+            f"{index_file}: its shard directory {directory} is missing; {RESUME_HINT}"
+        )
+    try:
+        metadata = SafeFileSystemReader(directory).read_metadata()
+    except UnsafeMetadataError as error:
+        raise ShardedCheckpointError(f"{index_file}: {error}") from error
+    except Exception as error:
+        raise ShardedCheckpointError(
+            f"{index_file}: shard directory {directory} has no readable .metadata "
+            f"(interrupted or corrupted save?): {type(error).__name__}; {RESUME_HINT}"
+        ) from error
+    damaged = _short_shard_files(directory, metadata)
+    if damaged:
+        name, size, needed = damaged[0]
+        raise ShardedCheckpointError(
+            f"{index_file}: shard file {directory / name} is truncated or missing ({size} of "
+            f"{needed} bytes); {RESUME_HINT}"
+        )
+    corrupted = mismatched_shard_files(directory, checksums, collective)
+    if corrupted:
+        raise ShardedCheckpointError(corruption_message(
+            index_file, [str(directory / name) for name in corrupted]))
+    entries = metadata.state_dict_metadata
+    missing = [p for p in tensor_paths(index) if p not in entries]
+    if missing:
+        raise ShardedCheckpointError(
+            f"{index_file}: shard directory {directory} lacks {len(missing)} tensors "
+            f"(e.g. {missing[0]}); {RESUME_HINT}"
+        )
+    return entries
+
+
+def _short_shard_files(directory: Path, metadata: Any) -> list[tuple[str, int, int]]:
+    """Shard files smaller than the metadata says they are: (name, size, needed size)."""
+    needed: dict[str, int] = {}
+    for item in (metadata.storage_data or {}).values():
+        end = item.offset + item.length
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), end)
+    short = []
+    for name, end in sorted(needed.items()):
+        path = directory / name
+        size = path.stat().st_size if path.is_file() else 0
+        if size < end:
+            short.append((name, size, end))
+    return short
+
+
+def saved_shapes(index: dict[str, Any], entries: dict[str, Any], key: str
+                 ) -> dict[str, tuple[int, ...]]:
+    """Full shapes of the tensors the index holds under ``key`` (e.g. the model's), by
+    name; a tied weight's other names refer to where it was saved."""
+    shapes = {}
+    for name, value in (index.get(key) or {}).items():
+        if isinstance(value, dict) and set(value) == {_REF}:
+            meta = entries.get(value[_REF])
+            if meta is not None and hasattr(meta, "size"):
+                shapes[name] = tuple(meta.size)
+    return shapes
+
+
+def load_tensors(
+    index_file: str | Path, index: dict[str, Any], targets: dict[str, torch.Tensor],
+    no_dist: bool = False,
+) -> None:
+    """Fill ``targets`` (fresh tensors, DTensors sharded as wanted) from the shards."""
+    directory = shard_directory(index_file, index)
+    reader = SafeFileSystemReader(directory)
+    try:
+        dcp.load(targets, storage_reader=reader, no_dist=no_dist)
+    except (Exception, CheckpointException) as error:  # the latter is a BaseException
+        if reader.refusal is not None:  # DCP reports it only as a string among others
+            raise ShardedCheckpointError(f"{index_file}: {reader.refusal}") from error
+        first = str(error).strip().splitlines()
+        detail = next((line for line in first if "Error" in line or "error" in line),
+                      first[0] if first else "")
+        raise ShardedCheckpointError(
+            f"{index_file}: could not read the shards in {directory} (a truncated or "
+            f"missing shard file?): {type(error).__name__}: {detail.strip()[:300]}"
+        ) from error
+
+
+def empty_like_saved(meta: Any, like: torch.Tensor | None = None) -> torch.Tensor:
+    """A fresh target for one saved tensor: sharded like ``like`` when shapes agree."""
+    dtype = meta.properties.dtype
+    if isinstance(like, DTensor) and tuple(like.shape) == tuple(meta.size):
+        return torch.empty_like(like, dtype=dtype)
+    device = like.device if isinstance(like, torch.Tensor) else "cpu"
+    return torch.empty(tuple(meta.size), dtype=dtype, device=device)
+
+
+def full_tensors(index_file: str | Path, index: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded checkpoint as a full CPU tensor, in one process."""
+    entries = read_shard_metadata(index_file, index)
+    targets = {path: empty_like_saved(entries[path]) for path in tensor_paths(index)}
+    load_tensors(index_file, index, targets, no_dist=True)
+    return targets

@@ -1,0 +1,66 @@
+"""Resume the optimizer state of checkpoints written without the plugin.
+
+fairseq refuses optimizer state saved under another optimizer class name ("Optimizer does
+not match"). The plugin's :class:`~fairseq_shard_plugin.sharding.precision.ShardedMasterOptimizer`
+saves exactly what stock fairseq saves for fp32 runs (the wrapped optimizer's state, one
+entry per parameter) and for ``--memory-efficient-fp16`` runs (the same plus
+``loss_scale``), so such checkpoints are relabelled and resumed with their moments. State
+whose layout differs (stock ``--fp16`` keeps one flattened fp32 copy of all parameters)
+is refused in one line that says to add ``--reset-optimizer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError
+
+# fairseq's 16-bit wrappers whose state is the wrapped optimizer's (+ loss_scale)
+STOCK_WRAPPERS = ("FP16Optimizer", "MemoryEfficientFP16Optimizer")
+
+
+class StockOptimizerStateError(CheckpointLoadError):
+    """Stock optimizer state the sharded optimizer cannot take; the message says what to do."""
+
+
+def _layout_problem(saved: dict[str, Any], shapes: Sequence[torch.Size]) -> str | None:
+    """Why per-parameter state ``saved`` does not fit parameters of ``shapes``, or None."""
+    for index, entry in saved.get("state", {}).items():
+        if not isinstance(index, int) or not 0 <= index < len(shapes):
+            return f"state for parameter {index!r} of {len(shapes)}"
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and (
+                    tuple(value.shape) != tuple(shapes[index])):
+                return (f"{key} of parameter {index} has shape {list(value.shape)}, the "
+                        f"parameter {list(shapes[index])}")
+    return None
+
+
+def adopt_stock_optimizer_state(
+    filename: str, state: dict[str, Any], ours: str, inner: str,
+    parameter_shapes: Sequence[torch.Size],
+) -> None:
+    """Relabel ``state``'s last optimizer entry as ``ours`` if its state fits, in place.
+
+    ``ours`` is the class name of the trainer's sharded optimizer, ``inner`` that of the
+    optimizer it wraps (e.g. ``FairseqAdam``); ``parameter_shapes`` are the full shapes of
+    its parameters, in order.
+    """
+    history = state.get("optimizer_history") or [{}]
+    saved_name = history[-1].get("optimizer_name")
+    if "last_optimizer_state" not in state or saved_name in (None, ours):
+        return
+    if saved_name not in (inner, *STOCK_WRAPPERS):
+        raise StockOptimizerStateError(
+            f"{filename}: its optimizer state was saved by {saved_name}, this run uses "
+            f"{inner}; add --reset-optimizer to start the optimizer afresh")
+    problem = _layout_problem(state["last_optimizer_state"], parameter_shapes)
+    if problem:
+        raise StockOptimizerStateError(
+            f"{filename}: its {saved_name} state does not match this model's parameters one "
+            f"by one ({problem}; stock --fp16 flattens them); add --reset-optimizer to start "
+            "the optimizer afresh")
+    history[-1]["optimizer_name"] = ours

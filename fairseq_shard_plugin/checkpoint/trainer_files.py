@@ -1,0 +1,148 @@
+"""The trainer's checkpoint I/O: full (gathered) or sharded (DCP) state, written crash-safely."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from fairseq import utils
+
+from fairseq_shard_plugin.checkpoint.atomic_files import remove_partial_files, write_atomically
+from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError, describe_shape_mismatch
+from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
+from fairseq_shard_plugin.checkpoint.sharded import (
+    SHARDED_KEY,
+    ShardedCheckpointError,
+    empty_like_saved,
+    fill_tensors,
+    is_sharded_index,
+    load_tensors,
+    read_shard_metadata,
+    remove_unreferenced_shards,
+    save_sharded,
+    saved_shapes,
+    tensor_paths,
+)
+from fairseq_shard_plugin.checkpoint.stock_optimizer_state import adopt_stock_optimizer_state
+from fairseq_shard_plugin.sharding.full_state import share_tied_tensors
+from fairseq_shard_plugin.sharding.options import sharding_options
+
+logger = logging.getLogger(__name__)
+
+
+def save_full_checkpoint(
+    trainer: Any, filename: str, extra_state: dict[str, Any], training_finished: bool = False
+) -> str:
+    """Write ``trainer.state_dict()`` plus ``extra_state`` to ``filename``; return its path.
+
+    The caller is the rank that writes (rank 0); ``state_dict`` gathers full tensors,
+    a collective the other ranks join from fairseq's ``save_checkpoint``. The file appears
+    under its name only once complete (``atomic_files``), so a crash mid-write leaves the
+    previous checkpoint of that name in place.
+    """
+    path = os.path.abspath(filename)
+    logger.info(f"Saving checkpoint to {path}")
+    state = utils.move_to_cpu(trainer.state_dict(filename, training_finished))
+    state["extra_state"].update(extra_state)
+    for leftover in remove_partial_files(os.path.dirname(path)):
+        logger.warning(f"removed {leftover}, left by a save that was interrupted")
+    write_atomically(path, lambda out: torch.save(state, out))
+    logger.info(f"Finished saving checkpoint to {path}")
+    return path
+
+
+def checkpoint_state(trainer: Any, stock_state: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The trainer's checkpoint state: full tensors, or (sharded format) an index after DCP
+    has written this rank's shards. A collective: every rank calls it at each save."""
+    state = stock_state()
+    state["model"] = share_tied_tensors(state["model"], trainer.model)  # stored once
+    if sharding_options(trainer.cfg.task).checkpoint_format == "sharded":
+        return save_sharded(state, trainer.cfg.checkpoint.save_dir, trainer.get_num_updates())
+    return trainer.engine.full_state(state, trainer.optimizer.optimizer)
+
+
+def after_save(trainer: Any) -> None:
+    """On the saving rank, once fairseq has copied and pruned names: drop orphaned shards."""
+    for directory in remove_unreferenced_shards(trainer.cfg.checkpoint.save_dir, _read_index):
+        logger.info(f"removed {directory}: no checkpoint refers to it any more")
+
+
+def _read_index(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def read_sharded_index(filename: str) -> dict[str, Any] | None:
+    """The index if ``filename`` is a readable sharded checkpoint, else None."""
+    try:
+        state = _read_index(Path(filename))
+    except Exception:  # missing or unreadable: fairseq's own loading reports it
+        return None
+    return state if is_sharded_index(state) else None
+
+
+def verify_full_checkpoint(filename: str) -> None:
+    """Collective: refuse a full checkpoint whose bytes fail their CRC-32 (each rank checks
+    a share of the entries); missing and unreadable files are left to the loader."""
+    if os.path.isfile(filename):
+        damaged = damaged_zip_entries(Path(filename), collective=True)
+        if damaged:
+            raise CheckpointLoadError(corruption_message(filename, damaged))
+
+
+def trainer_state_loader(
+    trainer: Any, reset_optimizer: bool
+) -> Callable[[str, dict[str, Any]], dict[str, Any]]:
+    """For fairseq's loader (hook 6): the state the trainer loads from a checkpoint's contents.
+
+    A sharded index becomes a state whose tensors are this rank's shards (see
+    :func:`_load_shards`); a full checkpoint written without the plugin has its optimizer
+    state adopted when it fits (``stock_optimizer_state``).
+    """
+
+    def load(filename: str, state: dict[str, Any]) -> dict[str, Any]:
+        if is_sharded_index(state):
+            state = _load_shards(trainer, reset_optimizer, filename, state)
+        elif not reset_optimizer:
+            optimizer = trainer.optimizer
+            inner = getattr(optimizer, "fp32_optimizer", optimizer)
+            adopt_stock_optimizer_state(filename, state, type(optimizer).__name__,
+                                        type(inner).__name__, [p.shape for p in optimizer.params])
+        return state
+
+    return load
+
+
+def _load_shards(
+    trainer: Any, reset_optimizer: bool, filename: str, index: dict[str, Any]
+) -> dict[str, Any]:
+    """A sharded index as a state whose tensors are this rank's shards (collective).
+
+    Checks names and shapes against the model first, then reads every shard into fresh
+    tensors (DCP reshards to this world size); the model is touched only after all of it
+    succeeded, by fairseq's own ``load_state_dict``.
+    """
+    entries = read_shard_metadata(filename, index, collective=True)
+    model_state = trainer.model.state_dict()
+    shapes = {name: tuple(t.shape) for name, t in model_state.items()}
+    problem = describe_shape_mismatch(filename, saved_shapes(index, entries, "model"), shapes)
+    if problem:
+        raise ShardedCheckpointError(problem)
+    skeleton = {k: v for k, v in index.items() if k != SHARDED_KEY}
+    if reset_optimizer:
+        skeleton.pop("last_optimizer_state", None)
+    params = list(trainer.optimizer.params)
+    targets = {}
+    for path in tensor_paths(skeleton):
+        parts = path.split("/")
+        like = None
+        if parts[0] == "model":
+            like = model_state.get(path[len("model/"):])
+        elif parts[:2] == ["last_optimizer_state", "state"] and int(parts[2]) < len(params):
+            like = params[int(parts[2])]
+        targets[path] = empty_like_saved(entries[path], like)
+    load_tensors(filename, index, targets)
+    return fill_tensors(skeleton, targets)

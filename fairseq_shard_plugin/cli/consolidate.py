@@ -1,0 +1,42 @@
+"""``fairseq-shard-consolidate``: a standard fairseq checkpoint (model weights) from a run's
+checkpoint, full or sharded (:mod:`..checkpoint.consolidate`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from fairseq_shard_plugin.checkpoint.atomic_files import WriteError
+from fairseq_shard_plugin.checkpoint.consolidate import ConsolidateError, export_consolidated
+from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
+
+_DTYPES = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="fairseq-shard-consolidate",
+        description="Write a standard fairseq checkpoint (model weights, no optimizer state) "
+        "from a sharded run's checkpoint, for fairseq-generate and from_pretrained.",
+    )
+    parser.add_argument("source", help="save dir (uses checkpoint_last.pt) or checkpoint file")
+    parser.add_argument("out", help="the consolidated checkpoint to write (e.g. model.pt)")
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", dest="dtype", action="store_const", const="fp16",
+                           help="store floating-point weights in fp16")
+    precision.add_argument("--bf16", dest="dtype", action="store_const", const="bf16",
+                           help="store floating-point weights in bf16")
+    args = parser.parse_args(argv)
+    allow_fairseq_checkpoint_types()
+    try:
+        written = export_consolidated(args.source, args.out, _DTYPES[args.dtype])
+    except (ConsolidateError, WriteError) as error:
+        sys.exit(f"fairseq-shard-consolidate: error: {error}")
+    print(f"wrote {written}")
+
+
+if __name__ == "__main__":
+    main()

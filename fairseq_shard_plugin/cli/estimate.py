@@ -1,0 +1,61 @@
+"""``fairseq-shard-estimate``: per-rank memory of a sharded training before the run
+(:mod:`..memory.estimate`; a training command after ``--``: :mod:`..memory.estimate_command`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import sys
+import warnings
+
+from fairseq_shard_plugin.cli.estimate_command import (
+    flags_from_training_command,
+    split_command,
+)
+from fairseq_shard_plugin.memory.estimate import (
+    PROG,
+    EstimateError,
+    fits_line,
+    helps_most_line,
+    run,
+    table,
+)
+from fairseq_shard_plugin.memory.model import TrainingSetup
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.getLogger("fairseq").setLevel(logging.WARNING)  # import-time notices
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    flags, training_command = split_command(sys.argv[1:] if argv is None else argv)
+    try:
+        if training_command is None:
+            report = run(flags)
+        else:
+            flags, shape = flags_from_training_command(flags, training_command)
+            report = run(flags, shape)
+            report["flags"] = flags
+    except EstimateError as error:
+        sys.exit(f"{PROG}: error: {error}")
+    estimates = report.pop("_estimates")
+    if "--json" in flags:
+        print(json.dumps(report, indent=2))
+        return
+    shape, setup = report["model"], report["setup"]
+    if training_command is not None:
+        print(f"The training command as the estimator's flags: {shlex.join([PROG, *flags])}")
+    print(f"{shape['parameters'] / 1e6:.1f}M parameters (vocabulary unit "
+          f"{shape['vocabulary_unit_parameters'] / 1e6:.1f}M), {setup['tokens']} tokens per "
+          f"rank, {setup['precision']} compute, fp32 master shards, {setup['optimizer']}")
+    print(table(estimates, TrainingSetup(**setup)))
+    print(helps_most_line(report))
+    if report["fits"]:
+        print(fits_line(report))
+    if report["free_speedup"]:
+        print(f"Faster at no memory cost: {report['free_speedup']['flag']} (the vocabulary "
+              "unit gathered once per step, not at each use); the peak stays "
+              f"{report['free_speedup']['peak_gib']:.2f} GiB per rank.")
+
+
+if __name__ == "__main__":
+    main()

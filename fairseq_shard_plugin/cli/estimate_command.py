@@ -1,0 +1,97 @@
+"""``fairseq-shard-estimate ... -- <fairseq-train arguments>``: the estimate of a training
+command as written.
+
+The arguments after ``--`` are parsed by fairseq's own training parser, the task is set up
+(it reads the dictionaries from the data directory, no training data) and the model is
+built without memory; the estimator's flags are then read from that configuration and
+model exactly as the trainer reads them before its first step
+(:func:`fairseq_shard_plugin.memory.run_estimate.run_description`). The estimator's own options
+given before ``--`` (``--world-size``, ``--memory-budget``, ``--tokens-per-sentence``,
+``--json``, ...) come after them, so they override what the command says. ``--world-size``
+is all ranks; with ``--shard-strategy hybrid`` the estimate is for its shard groups
+(``--shard-group-size``, required here: no launcher says the ranks per node).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from typing import Any
+
+from fairseq_shard_plugin.memory.estimate import EstimateError, build_without_memory, parser
+from fairseq_shard_plugin.memory.model import ModelShape
+
+
+def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """(the estimator's flags, the training command's arguments or None without ``--``)."""
+    if "--" not in argv:
+        return argv, None
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
+def _take_world_size(estimator_flags: list[str]) -> tuple[int, list[str]]:
+    """``--world-size`` as given before ``--`` (read by the estimator's own parser; a
+    training command does not say how many ranks will run it), and the other flags."""
+    world_size = parser().parse_known_args(estimator_flags)[0].world_size
+    rest, flags = [], iter(estimator_flags)
+    for flag in flags:
+        if flag == "--world-size":
+            next(flags, None)
+        elif not flag.startswith("--world-size="):
+            rest.append(flag)
+    return world_size, rest
+
+
+def _parse_training_command(train_argv: list[str]) -> Any:
+    """fairseq's config for ``fairseq-train train_argv``; its parser's complaint, which
+    argparse prints with a usage block and exits on, becomes one line."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    from fairseq_shard_plugin.tasks import register
+
+    register()  # the plugin's tasks, criteria and archs
+
+    complaint = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(complaint):
+            args = options.parse_args_and_arch(options.get_training_parser(), train_argv)
+    except SystemExit:
+        lines = complaint.getvalue().strip().splitlines()
+        reason = lines[-1].split("error: ", 1)[-1] if lines else "not a fairseq-train command"
+        reason = reason.split(" (choose from ", 1)[0]  # not fairseq's hundreds of archs
+        raise EstimateError(f"the training command after --: {reason}") from None
+    logging.getLogger("hydra").setLevel(logging.WARNING)
+    with warnings.catch_warnings():  # Hydra's deprecation notices of fairseq's compose call
+        warnings.simplefilter("ignore")
+        return convert_namespace_to_omegaconf(args)
+
+
+def flags_from_training_command(estimator_flags: list[str], train_argv: list[str]
+                                ) -> tuple[list[str], ModelShape]:
+    """The estimator's flags for ``fairseq-train train_argv`` followed by
+    ``estimator_flags``, and the shape of the model it builds."""
+    from fairseq import tasks
+
+    from fairseq_shard_plugin.memory.run_estimate import run_description
+    from fairseq_shard_plugin.sharding.options import sharding_options
+    from fairseq_shard_plugin.training.validation import ShardingConfigError, shard_group_size
+
+    cfg = _parse_training_command(train_argv)
+    try:
+        task = tasks.setup_task(cfg.task)
+    except (OSError, ValueError, KeyError) as error:
+        raise EstimateError(f"the training command after --: its task could not be set up "
+                            f"({type(error).__name__}: {error})") from None
+    arch = getattr(cfg.model, "arch", None) or getattr(cfg.model, "_name", None)
+    model = build_without_memory(lambda: task.build_model(cfg.model), str(arch))
+    world_size, others = _take_world_size(estimator_flags)
+    try:  # the ranks sharing one copy: all, or one shard group with --shard-strategy hybrid
+        sharing = shard_group_size(sharding_options(cfg.task), world_size, environ={})
+    except ShardingConfigError as error:
+        raise EstimateError(f"the training command after --: {error}") from None
+    described = run_description(cfg, model, sharing)
+    return [*described.flags, *others], described.shape

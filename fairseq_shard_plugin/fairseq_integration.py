@@ -1,0 +1,401 @@
+"""The one place where the plugin reaches into fairseq internals.
+
+Loading the user dir calls :func:`install`. Each hook below says why fairseq's public
+extension points (registries, dataclass configs) cannot do the job. Runs that do not use
+``--ddp-backend fully_sharded`` take fairseq's own code paths unchanged.
+
+Hooks, in ``fairseq_cli.train`` unless named otherwise:
+
+1. ``fsdp_enable_wrap`` / ``fsdp_wrap``: fairseq wraps the model (and, inside this context,
+   each layer above ``--min-params-to-wrap``) in fairscale FSDP while building it, with no
+   registry to choose another wrapper. The plugin leaves the model unwrapped here and
+   shards it by its own wrap policy when the trainer is built.
+2. ``Trainer``: ``train.py`` constructs ``fairseq.trainer.Trainer`` by name; under
+   ``fully_sharded`` it becomes :class:`~fairseq_shard_plugin.training.trainer.ShardedTrainer`.
+   That subclass overrides two of the Trainer's private methods, for want of public ones:
+   ``_build_optimizer`` (the optimizer steps on fp32 master shards) and
+   ``_reduce_and_log_stats`` (an fp16 update skipped for overflow logs nothing, as in
+   fairseq, whose own skip path calls ``.cuda()`` and so cannot run on CPU ranks); it also
+   sets the Trainer's ``cuda_env`` aside, because ``train_step`` resets CUDA's peak memory
+   statistics through it before the plugin could read the step's peak.
+3. ``fairseq.logging.meters.MaxMeter``: fairseq restores logged meters from checkpoints by
+   looking their class names up in that module, so the plugin's per-step peak-memory meter
+   is made findable there; otherwise resuming would fail on its name.
+4. ``distributed_utils.call_main``: fairseq derives world size and device from CUDA, which
+   breaks torchrun on CPU (see ``launch_env``); the wrapper also drops the ``--tpu`` that
+   fairseq's parser implies from ``--bf16``, rejects unworkable sharded configurations
+   with a one-line error before any process group or data is touched, and turns a
+   checkpoint that cannot be loaded into a one-line error naming the file and the mismatch.
+   Under ``--export-consolidated PATH`` it also runs, after training on rank 0, the export
+   of the final ``checkpoint_last.pt`` (fairseq's ``main`` has no end-of-training hook),
+   unless a signal stopped the training (hook 9).
+   ``fairseq-hydra-train`` imports ``common.user_dir`` inside ``main``, after this call:
+   there the plugin's Hydra callback (``hydra_callback``) imports the plugin at job start.
+5. ``checkpoint_utils.save_checkpoint``: fairseq writes the first checkpoint name through
+   ``Trainer.save_checkpoint`` (atomic in the plugin's trainer) and then copies it to the
+   other names (``checkpoint_last.pt``, ``checkpoint_best.pt``) with
+   ``PathManager.copy``, which truncates and rewrites the destination in place: a crash
+   during that copy leaves a half-written ``checkpoint_last.pt`` that resume then picks.
+   There is no option or hook for the copy, so for sharded runs the wrapper runs fairseq's
+   function with its module's ``PathManager`` replaced by one whose local copies go
+   through a temporary file and ``os.replace`` (``atomic_files``); everything else,
+   including which names are written and which old ones are removed, stays fairseq's.
+   Afterwards the trainer's ``after_checkpoint_save`` runs on the saving rank (it deletes
+   shard directories of ``--checkpoint-format sharded`` that no name refers to any more).
+6. ``checkpoint_utils.load_checkpoint_to_cpu``: every fairseq loader (the Trainer's resume,
+   ``fairseq-generate``, ``from_pretrained``) reads checkpoints through it. A sharded
+   checkpoint's file is an index whose tensors live in a DCP directory
+   (``checkpoint_sharded``); the wrapper replaces those references by tensors: the
+   trainer's shards (collective, resharded to this world size) while the trainer loads,
+   full tensors read in one process otherwise. While the trainer loads, a full checkpoint
+   written without the plugin also has its optimizer entry relabelled for the sharded
+   optimizer when its state fits (fairseq's Trainer asserts the class names match and has
+   no hook in between; ``stock_optimizer_state``). Other loads pass through unchanged.
+7. ``checkpoint_utils.torch_load_cpu`` (fairseq's nllb branch only): it casts every
+   checkpoint's model to fp16 when the checkpoint's config says ``--fp16`` or
+   ``--memory-efficient-fp16``. The plugin's checkpoints hold fp32 master weights under
+   those flags, so a resume would round the masters (and a sharded index, holding shard
+   references instead of tensors, would fail). The replacement reads with
+   ``weights_only=True`` and skips the cast while the trainer loads and for sharded
+   indexes; other loads (inference) keep the branch's cast.
+8. ``fairseq.utils.import_user_module``: the nllb branch's version raises ImportError for a
+   user dir whose package is already imported (0.12 skips it), which is exactly the case
+   under ``fairseq-hydra-train`` once the plugin's Hydra callback has imported it. The
+   wrapper skips the plugin's own package when it is given as user dir; other user dirs go
+   to fairseq's function.
+9. ``validate_and_save``: fairseq's training loop calls it on every rank after every
+   update to decide whether to validate, save and stop; nothing else runs there on all
+   ranks at once, and fairseq has no notion of a signal asking for a save. The wrapper
+   first asks the trainer's ``signal_stop`` (one all-reduce) whether any rank received a
+   ``--save-on-signal`` signal; if one did, every rank saves through fairseq's own
+   ``save_checkpoint`` (so ``checkpoint_last.pt`` and fairseq's other names are written as
+   usual) without validating, and the loop stops. Hook 4 then exits with 128 + the
+   signal's number instead of exporting. A signal during the last update changes nothing.
+
+Signatures that differ between fairseq 0.12 and the nllb branch (extra keyword arguments of
+``fsdp_enable_wrap``, ``save_checkpoint``, ``load_checkpoint_to_cpu``, ``Trainer.state_dict``
+and ``Trainer.save_checkpoint``) are passed through, so both work.
+
+Installing twice (the user dir imported again) wraps nothing twice: the plugin's wrappers
+carry a mark of their own (``_fairseq_shard_plugin_hook``), and the hooks of
+``fairseq_cli.train`` a mark on the module. Another ``functools.wraps`` wrapper already in
+place (a profiler's, another plugin's) is wrapped like fairseq's own function. A fairseq
+that lacks one of the replaced names, or has it as something not callable, stops the import
+with one line naming its version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import fairseq
+import fairseq.checkpoint_utils as checkpoint_utils
+import fairseq.distributed.utils as distributed_utils
+import fairseq.logging.meters as fairseq_meters
+import fairseq.utils as fairseq_utils
+import fairseq_cli.train as train_cli
+from fairseq.file_io import PathManager
+
+from fairseq_shard_plugin.checkpoint.atomic_files import WriteError, copy_atomically
+from fairseq_shard_plugin.checkpoint.errors import save_failure
+from fairseq_shard_plugin.errors import ShardPluginError
+from fairseq_shard_plugin.memory.metrics import MaxMeter
+from fairseq_shard_plugin.sharding.options import options_given, sharding_options
+from fairseq_shard_plugin.sharding.precision import untie_bf16_from_tpu
+from fairseq_shard_plugin.training.launch_env import apply_torchrun_environment
+from fairseq_shard_plugin.training.run_hooks import (
+    active_trainer_loader,
+    mark_export_follows_training,
+)
+from fairseq_shard_plugin.training.signal_stop import stopped_by
+from fairseq_shard_plugin.training.validation import (
+    check_sharded_config,
+    is_sharded_run,
+)
+
+logger = logging.getLogger(__name__)
+
+_HOOKED_NAMES = ("fsdp_enable_wrap", "fsdp_wrap", "Trainer", "validate_and_save")
+_INSTALLED_MARK = "_fairseq_shard_plugin_installed"
+# Set on the plugin's own wrappers of fairseq functions, so that install() wraps each
+# function once: a ``__wrapped__`` alone would also match a profiler's or another
+# plugin's ``functools.wraps`` wrapper, which must be wrapped, not taken for the plugin's.
+_HOOK_MARK = "_fairseq_shard_plugin_hook"
+
+_Wrapper = Callable[..., Any]
+
+
+def _marked(wrapper: _Wrapper, stock: _Wrapper) -> _Wrapper:
+    """``wrapper`` (which replaces ``stock``) marked as the plugin's hook."""
+    wrapper.__wrapped__ = stock  # type: ignore[attr-defined]  # for inspect.unwrap
+    setattr(wrapper, _HOOK_MARK, True)
+    return wrapper
+
+
+def _is_plugin_hook(function: Any) -> bool:
+    return getattr(function, _HOOK_MARK, False) is True
+
+
+@contextlib.contextmanager
+def _no_fairscale_wrapping(distributed_cfg: Any, **kwargs: Any) -> Iterator[None]:
+    """Replaces ``fsdp_enable_wrap``: build plain layers; sharding happens in the trainer.
+    (The nllb branch passes ``is_moe=``; MoE models are refused before this point.)"""
+    yield
+
+
+def _leave_unwrapped(module: Any, **kwargs: Any) -> Any:
+    """Replaces ``fsdp_wrap`` for the root model: no fairscale wrapper around it."""
+    return module
+
+
+def _select_trainer(stock_trainer: type) -> Callable[..., Any]:
+    def make_trainer(cfg: Any, task: Any, model: Any, criterion: Any, quantizer: Any = None) -> Any:
+        if is_sharded_run(cfg):
+            from fairseq_shard_plugin.training.trainer import ShardedTrainer
+
+            return ShardedTrainer(cfg, task, model, criterion, quantizer)
+        return stock_trainer(cfg, task, model, criterion, quantizer)
+
+    return make_trainer
+
+
+class _TrainThenExport:
+    """``main`` (the training), then ``--export-consolidated`` on rank 0. A class, not a
+    closure: fairseq's own multi-GPU launch (``fairseq-train`` without torchrun) pickles
+    ``main`` into the processes it spawns."""
+
+    def __init__(self, main: Callable[..., Any]) -> None:
+        self.main = main
+
+    def __call__(self, cfg: Any, **kwargs: Any) -> Any:
+        mark_export_follows_training()
+        result = self.main(cfg, **kwargs)
+        signum = stopped_by()
+        if signum is not None:  # saved and stopped early (hook 9): not the final model
+            sys.exit(128 + signum)
+        target = sharding_options(cfg.task).export_consolidated
+        if target and cfg.distributed_training.distributed_rank == 0:
+            from fairseq_shard_plugin.checkpoint.consolidate import export_consolidated
+
+            last = f"checkpoint_last{cfg.checkpoint.checkpoint_suffix}.pt"
+            written = export_consolidated(os.path.join(cfg.checkpoint.save_dir, last), target)
+            logger.info(f"exported the final model to {written}")
+        return result
+
+
+def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[..., Any]:
+    def call_main(cfg: Any, main: Callable[..., Any], **kwargs: Any) -> Any:
+        apply_torchrun_environment(cfg)
+        if not is_sharded_run(cfg):
+            unused = options_given(cfg.task)
+            if unused:
+                logger.warning(
+                    f"{', '.join(unused)}: the plugin's options take effect only with "
+                    f"--ddp-backend fully_sharded (this run: "
+                    f"{cfg.distributed_training.ddp_backend})")
+            return stock_call_main(cfg, main, **kwargs)
+        untie_bf16_from_tpu(cfg)
+        try:
+            check_sharded_config(cfg)
+            return stock_call_main(cfg, _TrainThenExport(main), **kwargs)
+        except ShardPluginError as error:  # every one-line error, the export's included
+            sys.exit(f"fairseq-shard-plugin: error: {error}")
+
+    return _marked(call_main, stock_call_main)
+
+
+class _AtomicLocalCopies(PathManager):
+    """fairseq's ``PathManager`` with crash-safe copies between local files (hook 5)."""
+
+    @staticmethod
+    def copy(src_path: str, dst_path: str, overwrite: bool = False) -> bool:
+        if "://" in src_path or "://" in dst_path:  # remote storage: fairseq's own copy
+            return PathManager.copy(src_path, dst_path, overwrite)
+        copy_atomically(src_path, dst_path)
+        return True
+
+
+@contextlib.contextmanager
+def _atomic_checkpoint_copies() -> Iterator[None]:
+    stock = checkpoint_utils.PathManager
+    checkpoint_utils.PathManager = _AtomicLocalCopies
+    try:
+        yield
+    finally:
+        checkpoint_utils.PathManager = stock
+
+
+def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
+    def save_checkpoint(cfg: Any, trainer: Any, epoch_itr: Any, val_loss: Any,
+                        *args: Any, **kwargs: Any) -> Any:
+        # (the nllb branch adds ``training_finished`` and ``async_callback_fn``)
+        if not getattr(trainer, "writes_checkpoints_atomically", False):
+            return stock_save(cfg, trainer, epoch_itr, val_loss, *args, **kwargs)
+        gathers_before = trainer.state_dict_calls
+        saving_rank = trainer.should_save_checkpoint_on_current_rank
+        try:  # a refused write (full disk) ends the run in one line that says what to do
+            with _atomic_checkpoint_copies():
+                saved = stock_save(cfg, trainer, epoch_itr, val_loss, *args, **kwargs)
+            if (not saving_rank and not cfg.no_save
+                    and trainer.state_dict_calls == gathers_before):
+                # Building the state is collective (gathers, or a DCP save): fairseq 0.12
+                # has the other ranks call ``state_dict()`` too; the nllb branch returns on
+                # them first, which would leave the saving rank alone in the collective.
+                trainer.state_dict()
+        except WriteError as error:
+            raise save_failure(error, cfg.save_dir) from error
+        if saving_rank and not cfg.no_save:
+            trainer.after_checkpoint_save()
+        return saved
+
+    # fairseq keeps the best validation loss as an attribute of the module-level function
+    # (``save_checkpoint.best``), looked up by name: it now lives on this wrapper.
+    return _marked(save_checkpoint, stock_save)
+
+
+def _full_tensors_of_index(path: str, index: dict[str, Any]) -> dict[str, Any]:
+    from fairseq_shard_plugin.checkpoint.sharded import SHARDED_KEY, fill_tensors, full_tensors
+
+    skeleton = {key: value for key, value in index.items() if key != SHARDED_KEY}
+    return fill_tensors(skeleton, full_tensors(path, index))
+
+
+def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., Any]:
+    def load_checkpoint_to_cpu(path: str, arg_overrides: Any = None,
+                               load_on_all_ranks: bool = False, **kwargs: Any) -> Any:
+        from fairseq_shard_plugin.checkpoint.sharded import is_sharded_index
+
+        state = stock_load(path, arg_overrides, load_on_all_ranks, **kwargs)  # nllb: is_moe
+        loader = active_trainer_loader()
+        if loader is not None:
+            return loader(path, state)
+        return _full_tensors_of_index(path, state) if is_sharded_index(state) else state
+
+    return _marked(load_checkpoint_to_cpu, stock_load)
+
+
+def _keeping_fp32_masters(stock_load_cpu: Callable[..., Any]) -> Callable[..., Any]:
+    """Replaces the nllb branch's ``torch_load_cpu`` in ``checkpoint_utils`` (hook 7)."""
+
+    def torch_load_cpu(path: str) -> Any:
+        import torch
+
+        from fairseq_shard_plugin.checkpoint.sharded import is_sharded_index
+
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if active_trainer_loader() or not isinstance(state, dict) or is_sharded_index(state):
+            return state  # fp32 masters for the trainer; shard references stay references
+        common = (state.get("cfg") or {}).get("common") or {}
+        if common.get("fp16") or common.get("memory_efficient_fp16"):  # the branch's own rule
+            state["model"] = {name: value.half() for name, value in state["model"].items()}
+        return state
+
+    return _marked(torch_load_cpu, stock_load_cpu)
+
+
+def _importing_the_plugin_once(stock_import: Callable[..., Any]) -> Callable[..., Any]:
+    """Replaces ``fairseq.utils.import_user_module`` (hook 8)."""
+
+    def import_user_module(args: Any) -> Any:
+        user_dir = getattr(args, "user_dir", None)
+        package = __name__.split(".")[0]
+        if user_dir and os.path.basename(os.path.normpath(user_dir)) == package:
+            return None  # imported already: this module is part of it
+        return stock_import(args)
+
+    return _marked(import_user_module, stock_import)
+
+
+def _saving_on_signal(stock_validate_and_save: Callable[..., Any]) -> Callable[..., Any]:
+    def validate_and_save(cfg: Any, trainer: Any, task: Any, epoch_itr: Any,
+                          valid_subsets: Any, end_of_epoch: bool, *args: Any,
+                          **kwargs: Any) -> Any:
+        stop = getattr(trainer, "signal_stop", None)  # only the plugin's trainer has one
+        signum = stop.agreed(trainer.device) if stop is not None else None
+        update = trainer.get_num_updates()
+        if signum is not None and update >= (cfg.optimization.max_update or float("inf")):
+            # the signal came during the last update: fairseq's own end follows (a final
+            # save, exit code 0); a resume would otherwise train one update past the end
+            stop.stopped_by = None
+            signum = None
+        if signum is None:
+            return stock_validate_and_save(cfg, trainer, task, epoch_itr, valid_subsets,
+                                           end_of_epoch, *args, **kwargs)
+        name = signal.Signals(signum).name
+        if cfg.checkpoint.no_save:
+            logger.warning(f"{name}: stopping after update {update}, not saving (--no-save)")
+        else:
+            logger.info(f"{name}: saving a checkpoint after update {update}, then stopping "
+                        f"(exit code {128 + signum}); the same command resumes from it")
+            checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, None)
+        return [None], True
+
+    return _marked(validate_and_save, stock_validate_and_save)
+
+
+def _train_modules() -> list[Any]:
+    """``fairseq_cli.train``, and ``__main__`` when run as ``python -m fairseq_cli.train``."""
+    modules = [train_cli]
+    main = sys.modules.get("__main__")
+    spec_name = getattr(getattr(main, "__spec__", None), "name", "")
+    if main is not None and spec_name == train_cli.__name__:
+        modules.append(main)
+    return modules
+
+
+def _unhookable() -> list[str]:
+    """The names install() replaces that this fairseq lacks or has as non-callables."""
+    required = [(train_cli, name) for name in _HOOKED_NAMES] + [
+        (distributed_utils, "call_main"),
+        (checkpoint_utils, "load_checkpoint_to_cpu"),
+        (checkpoint_utils, "save_checkpoint"),
+        (fairseq_utils, "import_user_module"),
+    ]
+    if hasattr(checkpoint_utils, "torch_load_cpu"):  # nllb branch only
+        required.append((checkpoint_utils, "torch_load_cpu"))
+    unhookable = []
+    for module, name in required:
+        value = getattr(module, name, None)
+        if value is None:
+            unhookable.append(f"missing {module.__name__}.{name}")
+        elif not callable(value):
+            unhookable.append(f"{module.__name__}.{name} is not callable")
+    return unhookable
+
+
+def install() -> None:
+    """Install the hooks once; fail clearly on a fairseq without the expected names."""
+    unhookable = _unhookable()
+    if unhookable:
+        raise ImportError(
+            f"fairseq_shard_plugin does not support fairseq {fairseq.__version__}: "
+            f"{', '.join(unhookable)} (supported: fairseq 0.12.x and its nllb branch)"
+        )
+    for module in _train_modules():
+        if getattr(module, _INSTALLED_MARK, False):
+            continue
+        module.fsdp_enable_wrap = _no_fairscale_wrapping
+        module.fsdp_wrap = _leave_unwrapped
+        module.Trainer = _select_trainer(module.Trainer)
+        module.validate_and_save = _saving_on_signal(module.validate_and_save)
+        setattr(module, _INSTALLED_MARK, True)
+    fairseq_meters.MaxMeter = MaxMeter
+    stock_load_cpu = getattr(checkpoint_utils, "torch_load_cpu", None)  # nllb branch only
+    if stock_load_cpu is not None and not _is_plugin_hook(stock_load_cpu):
+        checkpoint_utils.torch_load_cpu = _keeping_fp32_masters(stock_load_cpu)
+    if not _is_plugin_hook(fairseq_utils.import_user_module):
+        fairseq_utils.import_user_module = _importing_the_plugin_once(
+            fairseq_utils.import_user_module)
+    if not _is_plugin_hook(checkpoint_utils.load_checkpoint_to_cpu):
+        checkpoint_utils.load_checkpoint_to_cpu = _with_sharded_checkpoints(
+            checkpoint_utils.load_checkpoint_to_cpu)
+    if not _is_plugin_hook(checkpoint_utils.save_checkpoint):
+        checkpoint_utils.save_checkpoint = _with_atomic_copies(checkpoint_utils.save_checkpoint)
+    if not _is_plugin_hook(distributed_utils.call_main):
+        distributed_utils.call_main = _with_launcher_environment(distributed_utils.call_main)

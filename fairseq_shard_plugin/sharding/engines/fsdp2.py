@@ -1,0 +1,114 @@
+"""Apply a sharding plan with torch FSDP2 (``torch.distributed.fsdp.fully_shard``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from fairseq_shard_plugin.errors import ShardingConfigError
+from fairseq_shard_plugin.sharding.wrap_policy import ShardingPlan, ShardUnit
+
+
+def data_parallel_mesh(device_type: str) -> DeviceMesh:
+    """A 1-D mesh over all ranks of the default process group."""
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def sharding_mesh(device_type: str, shard_group_size: int) -> DeviceMesh:
+    """Full sharding (1-D mesh) when one shard group spans all ranks; otherwise a 2-D
+    mesh (replicate, shard) for hybrid sharding: consecutive ranks, i.e. one node's ranks
+    under torchrun and Slurm's block distribution, form a shard group; groups replicate."""
+    world_size = dist.get_world_size()
+    if shard_group_size == world_size:
+        return data_parallel_mesh(device_type)
+    return init_device_mesh(
+        device_type,
+        (world_size // shard_group_size, shard_group_size),
+        mesh_dim_names=("replicate", "shard"),
+    )
+
+
+def offload_policy(offload: bool, mesh: DeviceMesh) -> OffloadPolicy:
+    """FSDP2's CPU offload (sharded parameters, gradients and, through them, optimizer state
+    live on CPU; the optimizer steps there) or none. Pinned memory only exists with CUDA."""
+    if not offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+
+
+def refuse_scalar_parameters(model: nn.Module) -> None:
+    """FSDP2 shards along dim 0 and refuses 0-dim parameters with a traceback; say which
+    parameter it is and what to change, before anything is sharded."""
+    for name, param in model.named_parameters():
+        if param.dim() == 0:
+            raise ShardingConfigError(
+                f"parameter {name} is a scalar (0-dim), which --shard-engine fsdp2 cannot "
+                "shard: declare it with shape [1] in the model (or use --shard-engine "
+                "fairscale on CUDA)")
+
+
+def _shard_unit(
+    unit: ShardUnit, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, offload: OffloadPolicy
+) -> None:
+    target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
+    fully_shard(target, mesh=mesh, reshard_after_forward=unit.reshard_after_forward,
+                mp_policy=mp_policy, offload_policy=offload)
+
+
+def apply_plan(
+    plan: ShardingPlan,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload: bool = False,
+    vocabulary_mp_policy: MixedPrecisionPolicy | None = None,
+) -> None:
+    """Shard every unit of ``plan`` in place, inner units first, then the root.
+
+    ``mp_policy`` casts gathered parameters for compute; the shards stay in their dtype.
+    ``vocabulary_mp_policy``, if given, replaces it for vocabulary units.
+    With ``offload`` the shards (and their gradients) are kept on CPU.
+    """
+    refuse_scalar_parameters(plan.root.modules[0])
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    policy = offload_policy(offload, mesh)
+    for unit in plan.units:
+        use_vocabulary_policy = unit.vocabulary and vocabulary_mp_policy is not None
+        _shard_unit(unit, mesh, vocabulary_mp_policy if use_vocabulary_policy else mp_policy,
+                    policy)
+    _shard_unit(plan.root, mesh, mp_policy, policy)
+
+
+@contextlib.contextmanager
+def gathered(plan: ShardingPlan) -> Iterator[None]:
+    """Every unit of ``plan`` gathered until exit and not freed after forwards, so that the
+    forward of any submodule runs without collectives.
+
+    Generation in validation (``--eval-bleu``) needs this: fairseq's sequence generator
+    calls the encoder and decoder directly, never the model, so the root unit (final layer
+    norms, positions) would stay sharded; and ranks decode different numbers of steps, so
+    per-layer all-gathers would not pair up across ranks. Costs one gathered model copy in
+    the compute dtype while it lasts.
+    """
+    units = (*plan.units, plan.root)
+    for unit in units:
+        for module in unit.modules:
+            module.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]
+            module.unshard()  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        for unit in units:
+            for module in unit.modules:
+                module.set_reshard_after_forward(  # type: ignore[operator]
+                    unit.reshard_after_forward, recurse=False)
+                module.reshard()  # type: ignore[operator]

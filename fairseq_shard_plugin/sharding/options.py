@@ -1,0 +1,139 @@
+"""The plugin's sharding options: one dataclass, mixed into the plugin's task configs.
+
+
+Fields become ordinary fairseq flags (``shard_engine`` -> ``--shard-engine``) and Hydra keys
+(``task.shard_engine``). A run whose task does not carry them gets the defaults.
+No ``from __future__ import annotations`` here: fairseq reads the field types at runtime.
+"""
+
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.dataclass.utils import gen_parser_from_dataclass
+
+SHARD_ENGINES = ChoiceEnum(["fsdp2", "fairscale"])
+SHARD_STRATEGIES = ChoiceEnum(["full", "hybrid"])
+CHECKPOINT_FORMATS = ChoiceEnum(["full", "sharded"])
+
+
+# what --save-on-signal catches by default (Slurm sends SIGUSR1 before the time limit
+# when asked to with --signal, and SIGTERM when it preempts or cancels)
+DEFAULT_SIGNALS = "SIGUSR1,SIGTERM"
+
+@dataclass
+class ShardingConfig(FairseqDataclass):
+    """Options of ``--ddp-backend fully_sharded`` when the plugin is loaded."""
+
+    shard_engine: SHARD_ENGINES = field(  # type: ignore[valid-type]
+        default="fsdp2",
+        metadata={
+            "help": "sharding engine: fsdp2 (torch fully_shard; CPU/gloo and CUDA/NCCL) or "
+            "fairscale (fairscale FSDP, flat parameters; CUDA only)"
+        },
+    )
+    keep_root_gathered: bool = field(
+        default=False,
+        metadata={
+            "help": "keep the root unit's parameters gathered between forward and backward, "
+            "as fairscale's root does in stock fairseq (costs memory; for comparison)"
+        },
+    )
+    keep_vocabulary_gathered: bool = field(
+        default=False,
+        metadata={
+            "help": "keep the vocabulary unit (shared embeddings and output projection) "
+            "gathered from its first use in forward to the end of backward: one all-gather "
+            "per step instead of one per use, for vocabulary x d_model x 2 bytes per rank "
+            "(16-bit compute)"
+        },
+    )
+    root_unit_only: bool = field(
+        default=False,
+        metadata={
+            "help": "shard only the root unit, as stock fairseq does when every layer is "
+            "below --min-params-to-wrap (for comparison: no per-layer units)"
+        },
+    )
+    reduce_in_16_bit: bool = field(
+        default=False,
+        metadata={
+            "help": "with --fp16/--bf16, reduce-scatter gradients in 16 bits instead of fp32 "
+            "(halves gradient traffic; less precise)"
+        },
+    )
+    reduce_vocabulary_in_16_bit: bool = field(
+        default=False,
+        metadata={
+            "help": "with --fp16/--bf16, reduce-scatter only the vocabulary unit's gradient in "
+            "16 bits: its fp32 copy (vocabulary x d_model x 4 bytes) is the largest transient "
+            "at the end of backward"
+        },
+    )
+    shard_strategy: SHARD_STRATEGIES = field(  # type: ignore[valid-type]
+        default="full",
+        metadata={
+            "help": "full: shard over all ranks; hybrid: shard within a node, replicate "
+            "across nodes (2-D device mesh, HSDP)"
+        },
+    )
+    shard_group_size: int = field(
+        default=0,
+        metadata={
+            "help": "ranks per shard group with --shard-strategy hybrid; 0: ranks per node "
+            "from the launcher (torchrun LOCAL_WORLD_SIZE, Slurm tasks or GPUs per node)"
+        },
+    )
+    no_memory_report: bool = field(
+        default=False,
+        metadata={
+            "help": "do not log per-step peak memory (on CPU the live-tensor meter costs time)"
+        },
+    )
+    export_consolidated: Optional[str] = field(  # noqa: UP045 (fairseq parses Optional[])
+        default=None,
+        metadata={
+            "help": "at the end of training, also write the final model as one standard "
+            "fairseq checkpoint (weights only) to this path, for fairseq-generate --path"
+        },
+    )
+    save_on_signal: str = field(
+        default=DEFAULT_SIGNALS,
+        metadata={
+            "help": "signals (comma-separated, or none) on which every rank saves "
+            "checkpoint_last.pt after the current update and exits with 128 + the signal "
+            "number: Slurm's preemption SIGTERM, --signal=USR1@120 before a time limit"
+        },
+    )
+    checkpoint_format: CHECKPOINT_FORMATS = field(  # type: ignore[valid-type]
+        default="full",
+        metadata={
+            "help": "full: standard fairseq checkpoints (full tensors gathered to rank 0); "
+            "sharded: each rank writes its own shards (torch.distributed.checkpoint) under "
+            "checkpoint_shards/ and the usual names hold a small index; both resume on any "
+            "number of ranks and fairseq-shard-consolidate reads both"
+        },
+    )
+
+
+def sharding_options(task_cfg: Any) -> "ShardingConfig":
+    """Read the sharding options from a task config, with defaults for absent fields."""
+    values = {}
+    for option in fields(ShardingConfig):
+        value = getattr(task_cfg, option.name, None) if task_cfg is not None else None
+        if value is not None:
+            values[option.name] = value
+    return ShardingConfig(**values)
+
+
+def options_given(task_cfg: Any) -> list[str]:
+    """The sharding options set to other than their defaults, as flags."""
+    given, defaults = sharding_options(task_cfg), ShardingConfig()
+    return ["--" + option.name.replace("_", "-") for option in fields(ShardingConfig)
+            if getattr(given, option.name) != getattr(defaults, option.name)]
+
+
+def add_sharding_args(parser: Any) -> None:
+    """Add the sharding options to an argparse-configured task's parser."""
+    gen_parser_from_dataclass(parser, ShardingConfig())

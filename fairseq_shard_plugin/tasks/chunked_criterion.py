@@ -1,0 +1,99 @@
+"""Criterion ``chunked_label_smoothed_cross_entropy``: fairseq's label-smoothed
+cross-entropy with the same arguments and metrics, fused with the output projection and
+computed in chunks of target tokens, so the tokens x vocabulary logits never exist.
+
+Works with a tied, sharded embedding unit: the fused loss runs as a registered FSDP forward
+method of the output projection, so FSDP gathers its weight once for all chunks and
+reduce-scatters its gradient once.
+"""
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from fairseq.criterions import register_criterion
+from fairseq.criterions.label_smoothed_cross_entropy import (
+    LabelSmoothedCrossEntropyCriterion,
+    LabelSmoothedCrossEntropyCriterionConfig,
+)
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+from fairseq_shard_plugin.sharding.wrap_policy import is_linear_layer
+from fairseq_shard_plugin.tasks.chunked_cross_entropy import chunked_label_smoothed_cross_entropy
+
+FUSED_METHOD = "fused_label_smoothed_cross_entropy"
+
+
+@dataclass
+class ChunkedLabelSmoothedCrossEntropyConfig(LabelSmoothedCrossEntropyCriterionConfig):
+    loss_chunk_tokens: int = field(
+        default=1024,
+        metadata={"help": "target tokens per chunk of logits (peak loss memory ~ chunk x vocab)"},
+    )
+
+
+def _fused_loss(projection: torch.nn.Linear, features: torch.Tensor, *args: Any) -> Any:
+    return chunked_label_smoothed_cross_entropy(
+        features, projection.weight, getattr(projection, "bias", None), *args
+    )
+
+
+def output_projection(model: Any) -> torch.nn.Linear:
+    """The decoder's output projection, with the fused loss attached as an FSDP method."""
+    projection = getattr(model.decoder, "output_projection", None)
+    if projection is None or not is_linear_layer(projection):
+        raise ValueError(
+            "chunked_label_smoothed_cross_entropy needs a decoder with a linear "
+            "output_projection (no adaptive softmax): use --criterion "
+            "label_smoothed_cross_entropy for this model"
+        )
+    if not hasattr(projection, FUSED_METHOD):
+        setattr(projection, FUSED_METHOD, types.MethodType(_fused_loss, projection))
+        if isinstance(projection, FSDPModule):
+            register_fsdp_forward_method(projection, FUSED_METHOD)
+    return projection
+
+
+@register_criterion(
+    "chunked_label_smoothed_cross_entropy", dataclass=ChunkedLabelSmoothedCrossEntropyConfig
+)
+class ChunkedLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
+    def __init__(
+        self,
+        task: Any,
+        sentence_avg: bool,
+        label_smoothing: float,
+        ignore_prefix_size: int = 0,
+        report_accuracy: bool = False,
+        loss_chunk_tokens: int = 1024,
+    ) -> None:
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        if loss_chunk_tokens < 1:
+            raise ValueError("--loss-chunk-tokens must be at least 1")
+        self.loss_chunk_tokens = loss_chunk_tokens
+
+    def forward(self, model: Any, sample: dict, reduce: bool = True) -> tuple:
+        if not reduce:
+            raise ValueError("chunked_label_smoothed_cross_entropy only computes summed losses")
+        features, _ = model(**sample["net_input"], features_only=True)
+        target = model.get_targets(sample, (features, None))
+        if self.ignore_prefix_size > 0:
+            features = features[:, self.ignore_prefix_size :, :]
+            target = target[:, self.ignore_prefix_size :]
+        fused = getattr(output_projection(model), FUSED_METHOD)
+        loss, nll_loss, n_correct = fused(
+            features, target, self.eps, self.padding_idx, self.loss_chunk_tokens
+        )
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        logging_output = {
+            "loss": loss.data,
+            "nll_loss": nll_loss.data,
+            "ntokens": sample["ntokens"],
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample_size,
+        }
+        if self.report_accuracy:
+            logging_output["n_correct"] = int(n_correct)
+            logging_output["total"] = int(target.ne(self.padding_idx).sum())
+        return loss, sample_size, logging_output

@@ -1,0 +1,46 @@
+"""What the trainer and the hooks of :mod:`..fairseq_integration` tell each other.
+
+The hooks import the trainer (to construct it); the trainer must not import the hooks, so
+the little state they share lives here: the loader that fairseq's checkpoint reading hands
+every checkpoint to while the trainer loads one (hook 6), and whether the
+``--export-consolidated`` export follows the training in this process (hook 4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+TrainerLoader = Callable[[str, dict[str, Any]], dict[str, Any]]
+_trainer_loaders: list[TrainerLoader] = []
+_export_follows_main = False
+
+
+@contextlib.contextmanager
+def loading_into_trainer(loader: TrainerLoader) -> Iterator[None]:
+    """While active, every checkpoint read through fairseq is passed to ``loader`` (the
+    sharded trainer's: resolves sharded indexes collectively into this rank's shards and
+    adopts stock optimizer state) before fairseq's Trainer sees it (hook 6)."""
+    _trainer_loaders.append(loader)
+    try:
+        yield
+    finally:
+        _trainer_loaders.pop()
+
+
+def active_trainer_loader() -> TrainerLoader | None:
+    """The loader of the trainer loading a checkpoint now, if any."""
+    return _trainer_loaders[-1] if _trainer_loaders else None
+
+
+def mark_export_follows_training() -> None:
+    global _export_follows_main
+    _export_follows_main = True
+
+
+def export_follows_training() -> bool:
+    """True when this process's training runs inside hook 4, which does the
+    ``--export-consolidated`` export afterwards (not so when ``fairseq-hydra-train``
+    imported the plugin only from ``common.user_dir``: see ``hydra_callback``)."""
+    return _export_follows_main

@@ -1,0 +1,99 @@
+"""Save and stop, on every rank at the same update, when the job is told to end.
+
+Schedulers signal a job before they kill it: Slurm sends SIGTERM at preemption and
+``scancel``, and the signal of ``--signal=USR1@120`` that long before the time limit;
+torchrun passes SIGTERM on to its workers. Without a handler the ranks die mid-step and a
+resume repeats every update since the last interval checkpoint. With ``--save-on-signal``
+(SIGUSR1 and SIGTERM by default) a handler only records the signal; after each update the
+ranks learn with one all-reduce of one number whether any of them got one, and then all of
+them save ``checkpoint_last.pt`` (without validating: the time left is short) and leave
+with exit code 128 + the signal's number, the code of a process ended by that signal, so
+launchers and scripts see an unfinished run (torchrun's ``--max-restarts`` restarts it,
+and the same command resumes). Repeated signals change nothing: under ``srun torchrun`` a
+worker can get the scheduler's signal and the one torchrun forwards; the launchers' own
+SIGKILL deadlines (torchrun's ``--shutdown-timeout``, Slurm's KillWait) bound the save.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+from fairseq_shard_plugin.sharding.options import DEFAULT_SIGNALS
+
+logger = logging.getLogger(__name__)
+
+
+
+def parse_signals(text: str) -> tuple[signal.Signals, ...]:
+    """``"SIGUSR1,SIGTERM"`` (names with or without ``SIG``) as signals; ``"none"``: none."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    signals = []
+    for name in text.split(","):
+        name = name.strip().upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        if name in ("SIGKILL", "SIGSTOP") or not hasattr(signal.Signals, name):
+            raise ValueError(
+                f"--save-on-signal: {name} is not a signal a process can handle: give names "
+                f"such as {DEFAULT_SIGNALS}, or none"
+            )
+        signals.append(signal.Signals[name])
+    return tuple(signals)
+
+
+class SignalStop:
+    """Records the first of ``signals`` this process receives; :meth:`agreed` shares it."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
+        self.signals = signals
+        self.received: int | None = None  # this process's signal
+        self.stopped_by: int | None = None  # the signal all ranks stopped for
+
+    def install(self) -> None:
+        if not self.signals:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("--save-on-signal: not installed (the trainer is not built on the "
+                           "main thread, where Python runs signal handlers)")
+            return
+        for signum in self.signals:
+            signal.signal(signum, self._record)
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signum
+
+    def agreed(self, device: torch.device) -> int | None:
+        """The signal some rank received (the highest number if several), or None.
+        A collective: every rank calls it at the same point of every update."""
+        if not self.signals:
+            return None
+        flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        value = int(flag.item())
+        if value:
+            self.stopped_by = value
+        return value or None
+
+
+_current: SignalStop | None = None
+
+
+def install(signals: tuple[signal.Signals, ...]) -> SignalStop:
+    """Install the handlers of this process's trainer; :func:`stopped_by` reads it."""
+    global _current
+    _current = SignalStop(signals)
+    _current.install()
+    return _current
+
+
+def stopped_by() -> int | None:
+    """The signal this process's training stopped for, or None."""
+    return _current.stopped_by if _current is not None else None

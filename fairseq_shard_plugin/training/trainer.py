@@ -1,0 +1,428 @@
+"""``ShardedTrainer``: fairseq's Trainer with the plugin's sharding instead of fairscale's.
+
+fairseq's Trainer guards its fairscale-specific code with ``is_fsdp``; this subclass turns
+those branches off and overrides the few methods they served, so the rest of fairseq's
+training loop (batching, logging, validation, checkpoint scheduling) runs unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+from collections.abc import Callable, Iterator
+from itertools import chain
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fairseq import optim
+from fairseq.logging import metrics
+from fairseq.optim import lr_scheduler
+from fairseq.trainer import Trainer
+from torch.distributed.tensor.experimental import implicit_replication
+
+from fairseq_shard_plugin.checkpoint.errors import (
+    CheckpointLoadError,
+    describe_checkpoint_problem,
+    first_cause,
+    refuse_to_skip_fairscale_shards,
+    state_dict_shapes,
+)
+from fairseq_shard_plugin.checkpoint.sharded import ShardedCheckpointError
+from fairseq_shard_plugin.checkpoint.space import full_state_bytes, space_report
+from fairseq_shard_plugin.checkpoint.trainer_files import (
+    after_save,
+    checkpoint_state,
+    read_sharded_index,
+    save_full_checkpoint,
+    trainer_state_loader,
+    verify_full_checkpoint,
+)
+from fairseq_shard_plugin.memory.meters import StepMemoryProbe, storage_bytes, watch_offloaded_state
+from fairseq_shard_plugin.memory.metrics import log_step_memory
+from fairseq_shard_plugin.memory.run_estimate import (
+    describe_run,
+    log_predicted_peak,
+    out_of_memory_clause,
+)
+from fairseq_shard_plugin.sharding.engines import build_engine
+from fairseq_shard_plugin.sharding.full_state import loading_full_tensors_into_shards
+from fairseq_shard_plugin.sharding.local_shards import LocalShards
+from fairseq_shard_plugin.sharding.options import sharding_options
+from fairseq_shard_plugin.sharding.precision import (
+    ShardedMasterOptimizer,
+    cast_buffers,
+    compute_dtype,
+    fp16_loss_scaler,
+)
+from fairseq_shard_plugin.sharding.wrap_policy import build_plan, describe_plan
+from fairseq_shard_plugin.training import signal_stop
+from fairseq_shard_plugin.training.data_position import convert_position, record_ranks
+from fairseq_shard_plugin.training.launch_env import ensure_process_group, uses_cuda
+from fairseq_shard_plugin.training.out_of_memory import stop_on_out_of_memory
+from fairseq_shard_plugin.training.run_hooks import export_follows_training, loading_into_trainer
+from fairseq_shard_plugin.training.validation import (
+    ShardingConfigError,
+    check_sharded_config,
+    generating_validation_option,
+    ignored_fsdp_flags,
+    shard_group_size,
+)
+
+logger = logging.getLogger(__name__)
+
+
+_SIXTEEN_BIT_FLAGS = ("fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16")
+
+
+@contextlib.contextmanager
+def _without_16_bit_flags(common_cfg: Any) -> Iterator[None]:
+    """Hide the 16-bit flags from fairseq's Trainer constructor, which would cast the whole
+    model to 16 bits; here parameters stay fp32 masters and FSDP casts gathered copies."""
+    saved = {flag: common_cfg[flag] for flag in _SIXTEEN_BIT_FLAGS}
+    for flag in _SIXTEEN_BIT_FLAGS:
+        common_cfg[flag] = False
+    try:
+        yield
+    finally:
+        for flag, value in saved.items():
+            common_cfg[flag] = value
+
+
+@contextlib.contextmanager
+def _offload_hidden(trainer: Any, dist_cfg: Any) -> Iterator[None]:
+    """Under ``--cpu-offload``, keep fairseq's Trainer constructor from refusing the flag
+    (it requires its own fairscale path) and from moving the model to the device: FSDP has
+    placed it already, with the shards on CPU, and ``.to(device)`` would move them back."""
+    offload = bool(dist_cfg.cpu_offload)
+    dist_cfg.cpu_offload = False
+    trainer._placed_by_fsdp = offload
+    try:
+        yield
+    finally:
+        dist_cfg.cpu_offload = offload
+        trainer._placed_by_fsdp = False
+
+
+class ShardedTrainer(Trainer):
+    """Trainer for ``--ddp-backend fully_sharded`` with the plugin loaded."""
+
+    def __init__(self, cfg: Any, task: Any, model: Any, criterion: Any, quantizer: Any = None):
+        check_sharded_config(cfg)
+        self.sharding_options = sharding_options(cfg.task)
+        if self.sharding_options.export_consolidated and not export_follows_training():
+            raise ShardingConfigError(
+                "task.export_consolidated: fairseq-hydra-train loaded the plugin too late to "
+                "export after training: add the plugin's Hydra callback to the config (hydra."
+                "callbacks, as configs/nllb/*.yaml do) or run fairseq-shard-consolidate later"
+            )
+        use_cuda = uses_cuda(cfg)
+        ensure_process_group(cfg, use_cuda)
+        keep_all_gathered = bool(cfg.distributed_training.no_reshard_after_forward)
+        self.sharding_plan = build_plan(
+            model, self.sharding_options.keep_root_gathered, self.sharding_options.root_unit_only,
+            self.sharding_options.keep_vocabulary_gathered, keep_all_gathered,
+        )
+        for flag in ignored_fsdp_flags(cfg):
+            logger.info(f"ignored under the plugin: {flag}")
+        if keep_all_gathered:
+            logger.info("--no-reshard-after-forward: every unit stays gathered from its forward "
+                        "to its backward (no all-gathers in backward; the whole model's "
+                        "gathered copy is live at the peak)")
+        self.compute_dtype = compute_dtype(cfg.common)
+        self.shard_group_size = shard_group_size(self.sharding_options, dist.get_world_size())
+        self.engine = build_engine(
+            self.sharding_options.shard_engine, use_cuda, self.compute_dtype,
+            self.sharding_options.reduce_in_16_bit, cfg.model, self.shard_group_size,
+            bool(cfg.distributed_training.cpu_offload),
+            self.sharding_options.reduce_vocabulary_in_16_bit,
+        )
+        # the run as fairseq-shard-estimate flags, read from the model before it is sharded
+        self._run_description = describe_run(cfg, model, self.shard_group_size)
+        plan_description = describe_plan(self.sharding_plan)  # counted before sharding
+        sharded_model = self.engine.shard(model, self.sharding_plan)
+        if self.compute_dtype is not None:
+            cast_buffers(model, self.compute_dtype)
+        logger.info(
+            "sharded over %d ranks with %s: %s; compute in %s, fp32 master shards",
+            dist.get_world_size(),
+            self.sharding_options.shard_engine,
+            plan_description,
+            self.compute_dtype or torch.float32,
+        )
+        # Every rank reads the consolidated checkpoint itself and keeps its own slice;
+        # fairseq's rank-0 broadcast would re-pickle the OmegaConf config, which
+        # weights_only loading (rightly) refuses on the receiving ranks.
+        cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
+        self.offload = bool(cfg.distributed_training.cpu_offload)
+        with _without_16_bit_flags(cfg.common), _offload_hidden(self, cfg.distributed_training):
+            super().__init__(cfg, task, sharded_model, criterion, quantizer)
+        # the nllb branch's multilingual data manager expands the task's valid_subset into
+        # one split per direction, which its train.py reads only for the stock task name
+        task_valid_subset = getattr(getattr(task, "args", None), "valid_subset", None)
+        if task_valid_subset and task_valid_subset != cfg.dataset.valid_subset:
+            cfg.dataset.valid_subset = task_valid_subset
+        # fairseq's train_step reads and resets CUDA's peak statistics for its gb_free metric
+        # before returning, which would cut the step's peak the probe reads afterwards: its
+        # CUDA environment is kept here instead, and gb_free comes from the probe's peak.
+        self._cuda_environment, self.cuda_env = self.cuda_env, None
+        if self.offload:  # fairseq's constructor left placement to FSDP (see _offload_hidden)
+            self._criterion = self._criterion.to(device=self.device)
+        self._memory_probe = (
+            None if self.sharding_options.no_memory_report else StepMemoryProbe(self.device)
+        )
+        if self.offload and self._memory_probe is not None and self.device.type == "cpu":
+            watch_offloaded_state(self._memory_probe, self._model.parameters())
+        self._space_reported = False  # see _report_checkpoint_space
+        if self.is_data_parallel_master:
+            log_predicted_peak(self._run_description, self.device, task,
+                               cfg.dataset.valid_subset)
+        # read after every update by integration hook 9 (save and stop on a signal)
+        self.signal_stop = signal_stop.install(
+            signal_stop.parse_signals(self.sharding_options.save_on_signal))
+
+    # fairseq's is_fsdp branches call fairscale-only APIs (flat-parameter optimizer state,
+    # DistributedFairseqModel's fairscale assertion, .cuda() in norm aggregation); each
+    # thing they did is done by the overrides below instead.
+    @property
+    def is_fsdp(self) -> bool:
+        return False
+
+    @property
+    def use_distributed_wrapper(self) -> bool:
+        # FSDP reduce-scatters gradients in backward: no DDP-style wrapper around the model.
+        # True only inside fairseq's constructor under --cpu-offload (see _offload_hidden).
+        return getattr(self, "_placed_by_fsdp", False)
+
+    # Read by integration hook 5: fairseq's copies to checkpoint_last/best become atomic.
+    writes_checkpoints_atomically = True
+
+    @property
+    def always_call_state_dict_during_save_checkpoint(self) -> bool:
+        # Gathering full tensors for the checkpoint is a collective over all ranks.
+        return True
+
+    def _build_optimizer(self) -> None:
+        """fairseq's optimizer over the fp32 master shards, wrapped for scaling and clipping.
+
+        Replaces the Trainer's version, whose 16-bit paths build fairseq's FP16 optimizers
+        (flat fp32 copies of unsharded parameters) and whose FSDP path needs fairscale.
+        """
+        params = [
+            p for p in chain(self.model.parameters(), self.criterion.parameters())
+            if p.requires_grad
+        ]
+        # The optimizer updates plain tensors on the local shards (no DTensor dispatch).
+        shards = LocalShards(params)
+        fp32_optimizer = optim.build_optimizer(self.cfg.optimizer, shards.locals)
+        if not fp32_optimizer.supports_flat_params:
+            raise ShardingConfigError(
+                f"--optimizer {self.cfg.optimizer._name} is not element-wise, so its sharded "
+                "state would differ from unsharded training: use adam, adamw, sgd, adadelta "
+                "or adamax with --ddp-backend fully_sharded"
+            )
+        scaler = fp16_loss_scaler(self.cfg) if self.compute_dtype == torch.float16 else None
+        self._optimizer = ShardedMasterOptimizer(self.cfg, fp32_optimizer, scaler, shards)
+        self._lr_scheduler = lr_scheduler.build_lr_scheduler(
+            self.cfg.lr_scheduler, self._optimizer
+        )
+        self._lr_scheduler.step_update(0)
+
+    def clip_grad_norm(self, clip_norm: float) -> torch.Tensor:
+        stored_norm = self.engine.grad_norm(self._trainable_params(), self.device)
+        return self.optimizer.apply_norm(stored_norm, clip_norm)
+
+    def set_num_updates(self, num_updates: int) -> None:
+        # An update skipped for fp16 overflow is not counted, as in fairseq's fp16 training.
+        if self._optimizer is not None and self._optimizer.take_skipped_step():
+            self._update_skipped = True
+            return
+        super().set_num_updates(num_updates)
+
+    def _reduce_and_log_stats(self, logging_outputs: Any, sample_size: Any,
+                              grad_norm: Any = None) -> Any:
+        # fairseq logs nothing for an update skipped for overflow (train_step returns None);
+        # every rank skips the same update, so every rank leaves out this collective.
+        if getattr(self, "_update_skipped", False):
+            self._update_skipped = False
+            return None
+        return super()._reduce_and_log_stats(logging_outputs, sample_size, grad_norm)
+
+    state_dict_calls = 0  # how many checkpoint states this rank has built (integration hook 5)
+
+    def state_dict(self, filename: str = "checkpoint.pt",
+                   training_finished: bool = False) -> dict[str, Any]:
+        """A standard fairseq checkpoint with full (gathered) model and optimizer tensors, or
+        under ``--checkpoint-format sharded`` an index of the shards just written (DCP).
+        A collective: every rank calls it at each save. (The arguments are the nllb
+        branch's, whose Trainer returns ``{filename: state}``; 0.12's takes none.)"""
+        self.state_dict_calls += 1
+
+        def stock_state() -> dict[str, Any]:
+            if "filename" not in inspect.signature(Trainer.state_dict).parameters:
+                return Trainer.state_dict(self)
+            (state,) = Trainer.state_dict(self, filename, training_finished).values()
+            return state
+
+        return checkpoint_state(self, stock_state)
+
+    def save_checkpoint(self, filename: str, extra_state: dict[str, Any],
+                        training_finished: bool = False, async_callback_fn: Any = None
+                        ) -> str | None:
+        """Write the checkpoint on the saving rank; a crash never leaves a half-written file.
+
+        fairseq also saves ``crash.pt`` from inside its exception handlers, on whichever
+        ranks failed: building a sharded state is collective, so that save would wait for
+        ranks that never join it (a hang, or a gloo error hiding the real one). It is
+        skipped, and fairseq goes on to raise the original error."""
+        if os.path.basename(filename) == "crash.pt":
+            logger.warning(f"not saving {filename}: a sharded state cannot be gathered from "
+                           "one rank's exception handler")
+            return None
+        record_ranks(extra_state, self.data_parallel_world_size)
+        if not self.should_save_checkpoint_on_current_rank:
+            return None
+        return save_full_checkpoint(self, filename, extra_state, training_finished)
+
+    def after_checkpoint_save(self) -> None:
+        """Called on the saving rank after fairseq's copies and removals (hook 5)."""
+        after_save(self)
+
+    def load_checkpoint(self, filename: str, *args: Any, **kwargs: Any) -> Any:
+        """Load a full checkpoint into the sharded model: each rank keeps its own slice.
+
+        Anything that stops the load (a truncated or corrupted file, another architecture or
+        vocabulary, optimizer state that does not fit) becomes one
+        :class:`CheckpointLoadError` naming the file and the mismatch.
+        """
+        reset_optimizer = bool(args[0] if args else kwargs.get("reset_optimizer", False))
+        refuse_to_skip_fairscale_shards(filename)
+        try:
+            index = read_sharded_index(filename)
+            if index is None:
+                verify_full_checkpoint(filename)
+            with implicit_replication(), loading_full_tensors_into_shards(self._model), \
+                    loading_into_trainer(trainer_state_loader(self, reset_optimizer)):
+                extra_state = super().load_checkpoint(filename, *args, **kwargs)
+        except ShardedCheckpointError as error:
+            raise CheckpointLoadError(str(error)) from error
+        except CheckpointLoadError:
+            raise
+        except Exception as error:
+            if index is not None:
+                raise CheckpointLoadError(
+                    f"{filename}: could not be loaded: {first_cause(error)}") from error
+            raise CheckpointLoadError(
+                describe_checkpoint_problem(filename, state_dict_shapes(self._model), error)
+            ) from error
+        self.engine.shard_loaded_state(self.optimizer.optimizer)
+        converted = convert_position(extra_state, self.data_parallel_world_size)
+        if converted:
+            logger.info(converted)
+        return extra_state
+
+    def valid_step(self, sample: Any, raise_oom: bool = False) -> Any:
+        """fairseq's validation step, measured like a training step (the validation log
+        line carries its peak); when it also generates (``--eval-bleu`` and the like), with
+        the whole model gathered around it (see :func:`.engines.fsdp2.gathered`). Running
+        out of memory stops the run (:mod:`.out_of_memory`): fairseq's retry of the batch
+        on the one rank that failed would pair its collectives with the others' next ones."""
+        generates = generating_validation_option(self.cfg.task) is not None
+
+        def step() -> Any:
+            with (self.engine.gathered(self.sharding_plan) if generates
+                  else contextlib.nullcontext()):
+                return super(ShardedTrainer, self).valid_step(sample, raise_oom=True)
+
+        with stop_on_out_of_memory(self.cfg, self.data_parallel_rank, self.get_num_updates(),
+                                   validation=True):
+            return self._measured(step)
+
+    def train_step(self, samples: Any, raise_oom: bool = False) -> Any:
+        """fairseq's step, measured.
+
+        Running out of memory stops the run with :class:`.StepOutOfMemoryError`: fairseq
+        would drop the batch on the failed rank only while the others wait in the step's
+        collectives (see :mod:`.out_of_memory`). After a FloatingPointError (non-finite
+        gradients, or fp16's --min-loss-scale reached) fairseq reruns the step under its
+        NanDetector, whose module hooks fail on torch 2 with a bare StopIteration; the
+        original error is raised instead, so the log ends with what went wrong."""
+        try:
+            with stop_on_out_of_memory(
+                    self.cfg, self.data_parallel_rank, self.get_num_updates(),
+                    estimate=lambda: out_of_memory_clause(self._run_description, samples,
+                                                          self.device)):
+                logging_output = self._measured(lambda: super(ShardedTrainer, self).train_step(
+                    samples, raise_oom=True), log_free_memory=True)
+        except StopIteration as error:
+            if isinstance(error.__context__, FloatingPointError):
+                raise error.__context__ from None
+            raise
+        if not self._space_reported:
+            self._report_checkpoint_space()
+        return logging_output
+
+    def _report_checkpoint_space(self) -> None:
+        """Once the optimizer state exists: log a checkpoint's size against the save dir's
+        free space, with a warning if a save will not fit (:mod:`.checkpoint_space`)."""
+        optimizer = self.optimizer
+        state = optimizer.optimizer.state
+        if not state:  # before the first real step (fp16 may skip the first ones)
+            return
+        self._space_reported = True
+        checkpoint = self.cfg.checkpoint
+        if checkpoint.no_save or not self.is_data_parallel_master:
+            return
+        triples = ((param, local, state.get(local, {}))
+                   for param, local in zip(optimizer.shards.params, optimizer.shards.locals,
+                                           strict=True))
+        try:
+            line, too_little = space_report(
+                checkpoint.save_dir, full_state_bytes(triples, self.shard_group_size),
+                self.sharding_options.checkpoint_format)
+        except OSError as error:  # a notice only: never a reason to stop training
+            logger.info(f"free space of {checkpoint.save_dir} unknown: {error}")
+            return
+        (logger.warning if too_little else logger.info)(line)
+
+    def _measured(self, step: Callable[[], Any], log_free_memory: bool = False) -> Any:
+        """Run ``step`` and log its peak memory (max over ranks; a collective)."""
+        if self._memory_probe is None:
+            return step()
+        if self.offload:  # model state lives on the host: not accelerator memory
+            buffers = chain(self._model.buffers(), self._criterion.buffers())
+            self._memory_probe.start(buffers, host=self._model_state_tensors())
+        else:
+            self._memory_probe.start(self._resident_tensors())
+        try:
+            logging_output = step()
+        finally:
+            step_memory = self._memory_probe.stop()
+        log_step_memory(step_memory, storage_bytes(self._model_state_tensors()), self.device,
+                        offloaded=self.offload)
+        if log_free_memory and self._cuda_environment is not None and step_memory is not None:
+            metrics.log_scalar("gb_free", self._cuda_environment.total_memory_in_GB
+                               - step_memory.peak_allocated / 1024**3,
+                               priority=1500, round=1, weight=0)
+        return logging_output
+
+    def _trainable_params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.optimizer.params if p.requires_grad]
+
+    def _resident_tensors(self) -> Iterator[torch.Tensor]:
+        """Tensors alive between steps: model state and buffers."""
+        for module in (self._model, self._criterion):
+            yield from module.buffers()
+        yield from self._model_state_tensors()
+
+    def _model_state_tensors(self) -> Iterator[torch.Tensor]:
+        """Parameters, gradients and optimizer state: what sharding divides by N."""
+        for module in (self._model, self._criterion):
+            yield from module.parameters()
+        for param in self.optimizer.params:
+            if param.grad is not None:
+                yield param.grad
+        for state in self.optimizer.optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))

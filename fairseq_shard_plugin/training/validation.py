@@ -1,0 +1,225 @@
+"""Refuse configurations that cannot work, before any training starts, naming the flag."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_WRAP
+
+from fairseq_shard_plugin.errors import ShardingConfigError
+from fairseq_shard_plugin.sharding.options import ShardingConfig, sharding_options
+from fairseq_shard_plugin.training.launch_env import launched_by_torchrun, ranks_per_node, uses_cuda
+from fairseq_shard_plugin.training.signal_stop import parse_signals
+
+logger = logging.getLogger(__name__)
+
+
+def is_sharded_run(cfg: Any) -> bool:
+    return cfg.distributed_training.ddp_backend == "fully_sharded"
+
+
+def shard_group_size(
+    options: ShardingConfig,
+    world_size: int,
+    environ: os._Environ[str] | dict[str, str] = os.environ,
+) -> int:
+    """Ranks that share one copy of the model: all of them (full), or one node's (hybrid)."""
+    if options.shard_strategy != "hybrid":
+        return world_size
+    size = options.shard_group_size or ranks_per_node(environ)
+    if size is None:
+        raise ShardingConfigError(
+            "--shard-strategy hybrid needs the ranks per node: launch with torchrun or srun, "
+            "or give --shard-group-size"
+        )
+    if world_size % size != 0:
+        raise ShardingConfigError(
+            f"--shard-strategy hybrid: world size {world_size} is not a multiple of {size} "
+            "ranks per node: set --shard-group-size to a divisor of the world size"
+        )
+    if size >= world_size:
+        # a configuration written for a cluster, run on one node: nothing to replicate over
+        _warn_once(f"--shard-strategy hybrid: all {world_size} ranks form one shard group "
+                   f"({size} ranks per group), so this run shards fully over them (as "
+                   "--shard-strategy full); hybrid sharding needs more than one group")
+        return world_size
+    return size
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    """Log ``message`` once per process, on rank 0 only (validation and the trainer both
+    ask for the group size)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.warning(message)
+
+
+def check_sharded_config(cfg: Any) -> None:
+    """Raise :class:`ShardingConfigError` for a sharded run that cannot work."""
+    common, dist_cfg = cfg.common, cfg.distributed_training
+    if common.amp:
+        raise ShardingConfigError(
+            "--amp is not supported with --ddp-backend fully_sharded: use --fp16 or --bf16"
+        )
+    if cfg.ema.store_ema:
+        raise ShardingConfigError(
+            "--store-ema keeps an unsharded model copy and is not supported with "
+            "--ddp-backend fully_sharded: remove --store-ema"
+        )
+    if dist_cfg.zero_sharding != "none":
+        raise ShardingConfigError(
+            "--zero-sharding is redundant with --ddp-backend fully_sharded (optimizer state "
+            "is already sharded): remove --zero-sharding"
+        )
+    if cfg.optimization.use_bmuf:
+        raise ShardingConfigError("--use-bmuf cannot be combined with --ddp-backend fully_sharded")
+    options = sharding_options(cfg.task)
+    if options.shard_strategy == "hybrid":
+        if options.shard_engine != "fsdp2":
+            raise ShardingConfigError(
+                "--shard-strategy hybrid needs --shard-engine fsdp2 (a 2-D device mesh)"
+            )
+        # under fairseq-hydra-train the world size is only known from torchrun here
+        world_size = (int(os.environ["WORLD_SIZE"]) if launched_by_torchrun()
+                      else dist_cfg.distributed_world_size)
+        shard_group_size(options, world_size)
+    try:
+        parse_signals(options.save_on_signal)
+    except ValueError as error:
+        raise ShardingConfigError(str(error)) from None
+    if options.checkpoint_format == "sharded" and options.shard_engine != "fsdp2":
+        raise ShardingConfigError(
+            "--checkpoint-format sharded writes DTensor shards and needs --shard-engine fsdp2: "
+            "use --checkpoint-format full with the fairscale engine"
+        )
+    if options.export_consolidated and (cfg.checkpoint.no_save
+                                        or cfg.checkpoint.no_last_checkpoints):
+        raise ShardingConfigError(
+            "--export-consolidated exports the final checkpoint_last.pt: remove --no-save "
+            "and --no-last-checkpoints (or --export-consolidated)"
+        )
+    if cfg.checkpoint.write_checkpoints_asynchronously:
+        raise ShardingConfigError(
+            "--write-checkpoints-asynchronously (iopath's background writer) cannot keep the "
+            "plugin's checkpoint writes atomic: remove it (--checkpoint-format sharded makes "
+            "saves fast instead: each rank writes only its shards)"
+        )
+    if dist_cfg.fp32_reduce_scatter and options.reduce_in_16_bit:
+        raise ShardingConfigError(
+            "--fp32-reduce-scatter and --reduce-in-16-bit contradict each other: drop one "
+            "(gradients reduce in fp32 by default under the plugin)"
+        )
+    if dist_cfg.use_sharded_state:
+        raise ShardingConfigError(
+            "--use-sharded-state is fairscale's checkpoint format: remove it (for per-rank "
+            "shards use --checkpoint-format sharded)"
+        )
+    if common.model_parallel_size > 1 or dist_cfg.pipeline_model_parallel:
+        raise ShardingConfigError(
+            "model/pipeline parallelism cannot be combined with --ddp-backend fully_sharded: "
+            "remove --model-parallel-size/--pipeline-model-parallel"
+        )
+    if common.tpu:
+        raise ShardingConfigError("--tpu is not supported with --ddp-backend fully_sharded")
+    if (
+        not uses_cuda(cfg)
+        and dist_cfg.distributed_world_size > 1
+        and dist_cfg.distributed_init_method is None
+        and not launched_by_torchrun()
+    ):
+        raise ShardingConfigError(
+            f"{dist_cfg.distributed_world_size} CPU ranks need a launcher: run "
+            f"`torchrun --nproc_per_node {dist_cfg.distributed_world_size} "
+            "$(which fairseq-train) ...` instead of --distributed-world-size"
+        )
+    check_branch_options(cfg)
+    check_fairscale_engine(cfg)
+
+
+def ignored_fsdp_flags(cfg: Any) -> list[str]:
+    """fairseq's fairscale-FSDP flags given to a sharded run that the plugin does not use,
+    each with why (recipes carry them, so they are logged, not refused)."""
+    ignored = []
+    wrap = getattr(cfg.model, "min_params_to_wrap", DEFAULT_MIN_PARAMS_TO_WRAP)
+    if wrap is not None and wrap != DEFAULT_MIN_PARAMS_TO_WRAP:
+        ignored.append("--min-params-to-wrap (every encoder and decoder layer is a unit, "
+                       "whatever its size)")
+    if cfg.distributed_training.not_fsdp_flatten_parameters:
+        ignored.append("--not-fsdp-flatten-parameters (fsdp2 keeps parameters unflattened; "
+                       "the fairscale engine always flattens)")
+    return ignored
+
+
+def check_branch_options(cfg: Any) -> None:
+    """Options of fairseq's nllb branch (and MoE layers, also in 0.12) that the plugin
+    cannot honour; read with defaults, since 0.12 lacks most of them."""
+    model, checkpoint = cfg.model, cfg.checkpoint
+    moe = ("mixture-of-experts layers are outside the plugin's wrap policy: remove it, or "
+           "train without the plugin")
+    unworkable = {  # flag: (given, why and what to do)
+        "--moe-freq": ((getattr(model, "moe_freq", 0) or 0) > 0, moe),
+        "--base-layers": ((getattr(model, "base_layers", 0) or 0) > 0, moe),
+        "--init-model-on-gpu": (bool(getattr(model, "init_model_on_gpu", False)),
+                                "it builds 16-bit parameters where the plugin keeps fp32 "
+                                "master shards: remove it"),
+        "--optimizer adam8bit": (getattr(cfg.optimizer, "_name", None) == "adam8bit",
+                                 "its blockwise-quantised state cannot be sharded per "
+                                 "element: use --optimizer adam"),
+        "--s3-upload-path": (bool(getattr(checkpoint, "s3_upload_path", None)),
+                             "it needs asynchronous checkpoint writes, which cannot stay "
+                             "atomic: upload the saved files separately"),
+        "--synchronize-checkpoints-before-copy": (
+            bool(getattr(checkpoint, "synchronize_checkpoints_before_copy", False)),
+            "fairseq runs its barrier on the saving rank only, and the plugin's saves are "
+            "collective already: remove it"),
+    }
+    for flag, (given, advice) in unworkable.items():
+        if given:
+            raise ShardingConfigError(
+                f"{flag} is not supported with --ddp-backend fully_sharded: {advice}")
+
+
+# Task options (fairseq 0.12's translation, audio and speech tasks) that make valid_step
+# generate with the model besides computing the loss.
+GENERATING_VALIDATION_OPTIONS = ("eval_bleu", "eval_wer", "eval_wer_parse", "eval_inference")
+
+
+def generating_validation_option(task_cfg: Any) -> str | None:
+    """The option, as a flag, that makes validation generate (e.g. ``--eval-bleu``), if any."""
+    for name in GENERATING_VALIDATION_OPTIONS:
+        if getattr(task_cfg, name, False) is True:
+            return "--" + name.replace("_", "-")
+    return None
+
+
+def check_fairscale_engine(cfg: Any) -> None:
+    """``--shard-engine fairscale`` runs on CUDA streams, without the FSDP2-only features."""
+    if getattr(cfg.task, "shard_engine", None) != "fairscale":
+        return
+    generating = generating_validation_option(cfg.task)
+    unsupported = {
+        "--cpu-offload": cfg.distributed_training.cpu_offload,
+        "--shard-strategy hybrid": getattr(cfg.task, "shard_strategy", "full") == "hybrid",
+        "--reduce-vocabulary-in-16-bit": bool(
+            getattr(cfg.task, "reduce_vocabulary_in_16_bit", False)
+        ),
+        "--criterion chunked_label_smoothed_cross_entropy":
+            getattr(cfg.criterion, "_name", None) == "chunked_label_smoothed_cross_entropy",
+        # generation calls submodules directly: the plugin gathers FSDP2 units around it
+        f"{generating} (generation in validation)": generating is not None,
+    }
+    for flag, given in unsupported.items():
+        if given:
+            raise ShardingConfigError(
+                f"{flag} is not supported with --shard-engine fairscale: use --shard-engine "
+                "fsdp2 (or drop it)"
+            )
+    if not uses_cuda(cfg):
+        reason = "--cpu was given" if cfg.common.cpu else "no CUDA device is available"
+        raise ShardingConfigError(
+            f"--shard-engine fairscale needs CUDA (fairscale FSDP runs on CUDA streams) and "
+            f"{reason}: use --shard-engine fsdp2"
+        )
