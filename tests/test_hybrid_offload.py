@@ -29,14 +29,14 @@ from benchmarks.harness import (
     training_args,
 )
 from fairseq_shard_plugin.checkpoint.consolidate import read_full_state
+from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.memory.meters import LiveTensorMeter
 from fairseq_shard_plugin.sharding.options import ShardingConfig
+from fairseq_shard_plugin.sharding.settings import ranks_per_node, shard_group_size
 from fairseq_shard_plugin.training.launch_env import (
     first_slurm_host,
-    ranks_per_node,
     slurm_as_torchrun,
 )
-from fairseq_shard_plugin.training.validation import ShardingConfigError, shard_group_size
 
 from tiny_training import SHARDED, TINY, relative_difference, reshard
 

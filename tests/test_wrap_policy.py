@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from fairseq import options, tasks
 
+from fairseq_shard_plugin.sharding.settings import ReshardPolicy
 from fairseq_shard_plugin.sharding.wrap_policy import LAYER_CLASSES, build_plan, is_linear_layer
 from fairseq_shard_plugin.tasks import register  # noqa: E402
 
@@ -105,26 +106,26 @@ def test_every_layer_is_a_unit_whatever_min_params_to_wrap_says(corpus: Path) ->
 def test_root_reshards_unless_asked_to_keep_it_gathered(corpus: Path) -> None:
     model = build_model(corpus, "translation", "bart_base", SMALL)
     assert build_plan(model).root.reshard_after_forward
-    assert not build_plan(model, keep_root_gathered=True).root.reshard_after_forward
+    assert not build_plan(model, ReshardPolicy(root=False)).root.reshard_after_forward
 
 
 def test_only_the_vocabulary_unit_stays_gathered_when_asked(corpus: Path) -> None:
     model = build_model(corpus, "translation", "transformer", SMALL)
-    units = build_plan(model, keep_vocabulary_gathered=True).units
+    units = build_plan(model, ReshardPolicy(vocabulary=False)).units
     assert [u.reshard_after_forward for u in units] == [not u.vocabulary for u in units]
     assert units[-1].vocabulary and build_plan(model).root.reshard_after_forward
 
 
 def test_every_unit_stays_gathered_without_reshard_after_forward(corpus: Path) -> None:
     model = build_model(corpus, "translation", "transformer", SMALL)
-    plan = build_plan(model, keep_all_gathered=True)
+    plan = build_plan(model, ReshardPolicy.from_flags(False, False, no_reshard_after_forward=True))
     assert len(plan.units) == len(build_plan(model).units)
     assert not any(u.reshard_after_forward for u in (*plan.units, plan.root))
 
 
 def test_root_unit_only_reproduces_stock_plan(corpus: Path) -> None:
     model = build_model(corpus, "translation", "transformer", SMALL)
-    plan = build_plan(model, keep_root_gathered=True, root_unit_only=True)
+    plan = build_plan(model, ReshardPolicy(root=False), root_unit_only=True)
     assert plan.units == () and plan.root.modules == (model,)
     assert not plan.root.reshard_after_forward
     # learned positions and final norms stay in the root

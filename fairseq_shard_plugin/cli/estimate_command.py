@@ -76,9 +76,10 @@ def flags_from_training_command(estimator_flags: list[str], train_argv: list[str
     ``estimator_flags``, and the shape of the model it builds."""
     from fairseq import tasks
 
+    from fairseq_shard_plugin.errors import ShardingConfigError
     from fairseq_shard_plugin.memory.run_estimate import run_description
     from fairseq_shard_plugin.sharding.options import sharding_options
-    from fairseq_shard_plugin.training.validation import ShardingConfigError, shard_group_size
+    from fairseq_shard_plugin.sharding.settings import shard_group_size
 
     cfg = _parse_training_command(train_argv)
     try:

@@ -51,28 +51,6 @@ def share_tied_tensors(model_state: dict[str, Any], model: torch.nn.Module) -> d
     return shared
 
 
-def shard_optimizer_state_like_params(optimizer: torch.optim.Optimizer) -> None:
-    """After loading full optimizer state, slice each tensor to its parameter's shard.
-
-    Local slicing only (no communication): every rank holds the full loaded state.
-    """
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if not isinstance(param, DTensor):
-                continue
-            state = optimizer.state.get(param, {})
-            for key, value in state.items():
-                if (
-                    isinstance(value, torch.Tensor)
-                    and not isinstance(value, DTensor)
-                    and value.shape == param.shape
-                ):
-                    state[key] = distribute_tensor(
-                        value.to(param.device), param.device_mesh, param.placements,
-                        src_data_rank=None,
-                    )
-
-
 def _shard_full_tensors(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
                         *args: Any) -> None:
     """Load pre-hook of one module: each full tensor in ``state_dict`` for one of its DTensor

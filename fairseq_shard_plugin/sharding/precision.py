@@ -24,18 +24,11 @@ from fairseq_shard_plugin.sharding.local_shards import LocalShards
 logger = logging.getLogger(__name__)
 
 
-def compute_dtype(common_cfg: Any) -> torch.dtype | None:
-    """The 16-bit compute type fairseq's flags ask for, or None for fp32."""
-    if common_cfg.fp16 or common_cfg.memory_efficient_fp16:
-        return torch.float16
-    if common_cfg.bf16 or common_cfg.memory_efficient_bf16:
-        return torch.bfloat16
-    return None
-
-
 def mixed_precision_policy(
     dtype: torch.dtype | None, reduce_in_16_bit: bool
 ) -> MixedPrecisionPolicy:
+    """FSDP2's policy: gathered copies in ``dtype`` (None: fp32, no cast), gradients
+    reduce-scattered in fp32 unless ``reduce_in_16_bit``."""
     if dtype is None:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(

@@ -29,6 +29,8 @@ from fairseq.modules.transformer_layer import (
     TransformerEncoderLayerBase,
 )
 
+from fairseq_shard_plugin.sharding.settings import ReshardPolicy
+
 LAYER_CLASSES: tuple[type[nn.Module], ...] = (
     TransformerEncoderLayerBase,
     TransformerDecoderLayerBase,
@@ -108,24 +110,16 @@ def _group_by_shared_parameters(
     return [members for _, members in groups]
 
 
-def build_plan(
-    model: nn.Module, keep_root_gathered: bool = False, root_unit_only: bool = False,
-    keep_vocabulary_gathered: bool = False, keep_all_gathered: bool = False,
-) -> ShardingPlan:
-    """Return the sharding plan for a fairseq model.
+def build_plan(model: nn.Module, reshard: ReshardPolicy | None = None,
+               root_unit_only: bool = False) -> ShardingPlan:
+    """Return the sharding plan for a fairseq model, each unit freeing its gathered
+    parameters after forward as ``reshard`` says (see :class:`.settings.ReshardPolicy`).
 
     ``root_unit_only`` reproduces stock fairseq's plan for layers below
     ``--min-params-to-wrap``: one unit holding everything (for comparisons).
-    ``keep_vocabulary_gathered`` leaves the vocabulary units gathered after forward: they
-    are used several times (encoder and decoder embeddings, output projection), and each
-    use of a resharded unit is another all-gather, in forward and again in backward.
-    ``keep_all_gathered`` (fairseq's ``--no-reshard-after-forward``, "ZeRO-2") leaves every
-    unit gathered from its forward until its backward: no all-gathers in backward, the whole
-    model's gathered copy at the peak.
     """
-    keep_root_gathered = keep_root_gathered or keep_all_gathered
-    keep_vocabulary_gathered = keep_vocabulary_gathered or keep_all_gathered
-    root = ShardUnit("<root>", (model,), reshard_after_forward=not keep_root_gathered)
+    reshard = reshard or ReshardPolicy()
+    root = ShardUnit("<root>", (model,), reshard_after_forward=reshard.root)
     if root_unit_only:
         return ShardingPlan(units=(), root=root)
     layers: list[ShardUnit] = []
@@ -139,8 +133,7 @@ def build_plan(
             continue
         seen.add(id(module))
         if isinstance(module, LAYER_CLASSES) or id(module) in blocks:
-            layers.append(ShardUnit(name, (module,),
-                                    reshard_after_forward=not keep_all_gathered))
+            layers.append(ShardUnit(name, (module,), reshard_after_forward=reshard.layers))
             layer_prefixes.append(name + ".")
         elif _is_vocabulary_module(name, module) and any(
             p.requires_grad for p in module.parameters()
@@ -148,7 +141,7 @@ def build_plan(
             candidates.append((name, module))
     vocabulary = [
         ShardUnit("+".join(n for n, _ in group), tuple(m for _, m in group), vocabulary=True,
-                  reshard_after_forward=not keep_vocabulary_gathered)
+                  reshard_after_forward=reshard.vocabulary)
         for group in _group_by_shared_parameters(candidates)
     ]
     return ShardingPlan(units=tuple(layers + vocabulary), root=root)

@@ -107,18 +107,6 @@ def adopt_slurm_environment(
     environ.update(slurm_as_torchrun(dict(environ), port, cuda_devices))
 
 
-def ranks_per_node(environ: os._Environ[str] | dict[str, str] = os.environ) -> int | None:
-    """Ranks on this node as the launcher says: torchrun's ``LOCAL_WORLD_SIZE``, else Slurm's
-    tasks per node (when several), else its GPUs on the node; None if nothing says."""
-    for name, least in (
-        ("LOCAL_WORLD_SIZE", 1), ("SLURM_NTASKS_PER_NODE", 2), ("SLURM_GPUS_ON_NODE", 1)
-    ):
-        value = environ.get(name, "")
-        if value.isdigit() and int(value) >= least:
-            return int(value)
-    return None
-
-
 def apply_torchrun_environment(
     cfg: Any, environ: os._Environ[str] | dict[str, str] = os.environ
 ) -> None:

@@ -47,17 +47,15 @@ from fairseq_shard_plugin.memory.run_estimate import (
     log_predicted_peak,
     out_of_memory_clause,
 )
-from fairseq_shard_plugin.sharding.engines import build_engine
 from fairseq_shard_plugin.sharding.full_state import loading_full_tensors_into_shards
 from fairseq_shard_plugin.sharding.local_shards import LocalShards
 from fairseq_shard_plugin.sharding.options import sharding_options
+from fairseq_shard_plugin.sharding.parallelize import parallelize
 from fairseq_shard_plugin.sharding.precision import (
     ShardedMasterOptimizer,
-    cast_buffers,
-    compute_dtype,
     fp16_loss_scaler,
 )
-from fairseq_shard_plugin.sharding.wrap_policy import build_plan, describe_plan
+from fairseq_shard_plugin.sharding.settings import ShardingSettings
 from fairseq_shard_plugin.training import signal_stop
 from fairseq_shard_plugin.training.data_position import convert_position, record_ranks
 from fairseq_shard_plugin.training.launch_env import ensure_process_group, uses_cuda
@@ -68,7 +66,6 @@ from fairseq_shard_plugin.training.validation import (
     check_sharded_config,
     generating_validation_option,
     ignored_fsdp_flags,
-    shard_group_size,
 )
 
 logger = logging.getLogger(__name__)
@@ -106,6 +103,16 @@ def _offload_hidden(trainer: Any, dist_cfg: Any) -> Iterator[None]:
         trainer._placed_by_fsdp = False
 
 
+def _log_flags_taken_over(cfg: Any, settings: ShardingSettings) -> None:
+    """Name fairseq's FSDP flags the plugin does not use, and what ZeRO-2 costs."""
+    for flag in ignored_fsdp_flags(cfg):
+        logger.info(f"ignored under the plugin: {flag}")
+    if not settings.reshard.layers:
+        logger.info("--no-reshard-after-forward: every unit stays gathered from its forward "
+                    "to its backward (no all-gathers in backward; the whole model's "
+                    "gathered copy is live at the peak)")
+
+
 class ShardedTrainer(Trainer):
     """Trainer for ``--ddp-backend fully_sharded`` with the plugin loaded."""
 
@@ -120,43 +127,45 @@ class ShardedTrainer(Trainer):
             )
         use_cuda = uses_cuda(cfg)
         ensure_process_group(cfg, use_cuda)
-        keep_all_gathered = bool(cfg.distributed_training.no_reshard_after_forward)
-        self.sharding_plan = build_plan(
-            model, self.sharding_options.keep_root_gathered, self.sharding_options.root_unit_only,
-            self.sharding_options.keep_vocabulary_gathered, keep_all_gathered,
-        )
-        for flag in ignored_fsdp_flags(cfg):
-            logger.info(f"ignored under the plugin: {flag}")
-        if keep_all_gathered:
-            logger.info("--no-reshard-after-forward: every unit stays gathered from its forward "
-                        "to its backward (no all-gathers in backward; the whole model's "
-                        "gathered copy is live at the peak)")
-        self.compute_dtype = compute_dtype(cfg.common)
-        self.shard_group_size = shard_group_size(self.sharding_options, dist.get_world_size())
-        self.engine = build_engine(
-            self.sharding_options.shard_engine, use_cuda, self.compute_dtype,
-            self.sharding_options.reduce_in_16_bit, cfg.model, self.shard_group_size,
-            bool(cfg.distributed_training.cpu_offload),
-            self.sharding_options.reduce_vocabulary_in_16_bit,
-        )
+        self.settings = ShardingSettings.from_config(cfg, dist.get_world_size(), use_cuda)
+        _log_flags_taken_over(cfg, self.settings)
         # the run as fairseq-shard-estimate flags, read from the model before it is sharded
         self._run_description = describe_run(cfg, model, self.shard_group_size)
-        plan_description = describe_plan(self.sharding_plan)  # counted before sharding
-        sharded_model = self.engine.shard(model, self.sharding_plan)
-        if self.compute_dtype is not None:
-            cast_buffers(model, self.compute_dtype)
-        logger.info(
-            "sharded over %d ranks with %s: %s; compute in %s, fp32 master shards",
-            dist.get_world_size(),
-            self.sharding_options.shard_engine,
-            plan_description,
-            self.compute_dtype or torch.float32,
+        sharded = parallelize(model, self.settings)
+        self.sharding_plan, self.engine = sharded.plan, sharded.engine
+        logger.info("sharded over %d ranks with %s: %s; compute in %s, fp32 master shards",
+                    dist.get_world_size(), self.settings.engine, sharded.description,
+                    self.compute_dtype or torch.float32)
+        self.offload = self.settings.offload
+        self._construct_fairseq_trainer(cfg, task, sharded.module, criterion, quantizer)
+        self._memory_probe = (
+            None if self.sharding_options.no_memory_report else StepMemoryProbe(self.device)
         )
+        if self.offload and self._memory_probe is not None and self.device.type == "cpu":
+            watch_offloaded_state(self._memory_probe, self._model.parameters())
+        self._space_reported = False  # see _report_checkpoint_space
+        if self.is_data_parallel_master:
+            log_predicted_peak(self._run_description, self.device, task,
+                               cfg.dataset.valid_subset)
+        # read after every update by integration hook 9 (save and stop on a signal)
+        self.signal_stop = signal_stop.install(
+            signal_stop.parse_signals(self.sharding_options.save_on_signal))
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return self.settings.compute_dtype
+
+    @property
+    def shard_group_size(self) -> int:
+        return self.settings.shard_group_size
+
+    def _construct_fairseq_trainer(self, cfg: Any, task: Any, sharded_model: Any,
+                                   criterion: Any, quantizer: Any) -> None:
+        """fairseq's own Trainer constructor, with what it must not do kept from it."""
         # Every rank reads the consolidated checkpoint itself and keeps its own slice;
         # fairseq's rank-0 broadcast would re-pickle the OmegaConf config, which
         # weights_only loading (rightly) refuses on the receiving ranks.
         cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
-        self.offload = bool(cfg.distributed_training.cpu_offload)
         with _without_16_bit_flags(cfg.common), _offload_hidden(self, cfg.distributed_training):
             super().__init__(cfg, task, sharded_model, criterion, quantizer)
         # the nllb branch's multilingual data manager expands the task's valid_subset into
@@ -170,18 +179,6 @@ class ShardedTrainer(Trainer):
         self._cuda_environment, self.cuda_env = self.cuda_env, None
         if self.offload:  # fairseq's constructor left placement to FSDP (see _offload_hidden)
             self._criterion = self._criterion.to(device=self.device)
-        self._memory_probe = (
-            None if self.sharding_options.no_memory_report else StepMemoryProbe(self.device)
-        )
-        if self.offload and self._memory_probe is not None and self.device.type == "cpu":
-            watch_offloaded_state(self._memory_probe, self._model.parameters())
-        self._space_reported = False  # see _report_checkpoint_space
-        if self.is_data_parallel_master:
-            log_predicted_peak(self._run_description, self.device, task,
-                               cfg.dataset.valid_subset)
-        # read after every update by integration hook 9 (save and stop on a signal)
-        self.signal_stop = signal_stop.install(
-            signal_stop.parse_signals(self.sharding_options.save_on_signal))
 
     # fairseq's is_fsdp branches call fairscale-only APIs (flat-parameter optimizer state,
     # DistributedFairseqModel's fairscale assertion, .cuda() in norm aggregation); each

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from typing import Any
@@ -10,8 +9,9 @@ from typing import Any
 from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_WRAP
 
 from fairseq_shard_plugin.errors import ShardingConfigError
-from fairseq_shard_plugin.sharding.options import ShardingConfig, sharding_options
-from fairseq_shard_plugin.training.launch_env import launched_by_torchrun, ranks_per_node, uses_cuda
+from fairseq_shard_plugin.sharding.options import sharding_options
+from fairseq_shard_plugin.sharding.settings import shard_group_size
+from fairseq_shard_plugin.training.launch_env import launched_by_torchrun, uses_cuda
 from fairseq_shard_plugin.training.signal_stop import parse_signals
 
 logger = logging.getLogger(__name__)
@@ -19,42 +19,6 @@ logger = logging.getLogger(__name__)
 
 def is_sharded_run(cfg: Any) -> bool:
     return cfg.distributed_training.ddp_backend == "fully_sharded"
-
-
-def shard_group_size(
-    options: ShardingConfig,
-    world_size: int,
-    environ: os._Environ[str] | dict[str, str] = os.environ,
-) -> int:
-    """Ranks that share one copy of the model: all of them (full), or one node's (hybrid)."""
-    if options.shard_strategy != "hybrid":
-        return world_size
-    size = options.shard_group_size or ranks_per_node(environ)
-    if size is None:
-        raise ShardingConfigError(
-            "--shard-strategy hybrid needs the ranks per node: launch with torchrun or srun, "
-            "or give --shard-group-size"
-        )
-    if world_size % size != 0:
-        raise ShardingConfigError(
-            f"--shard-strategy hybrid: world size {world_size} is not a multiple of {size} "
-            "ranks per node: set --shard-group-size to a divisor of the world size"
-        )
-    if size >= world_size:
-        # a configuration written for a cluster, run on one node: nothing to replicate over
-        _warn_once(f"--shard-strategy hybrid: all {world_size} ranks form one shard group "
-                   f"({size} ranks per group), so this run shards fully over them (as "
-                   "--shard-strategy full); hybrid sharding needs more than one group")
-        return world_size
-    return size
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    """Log ``message`` once per process, on rank 0 only (validation and the trainer both
-    ask for the group size)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        logger.warning(message)
 
 
 def check_sharded_config(cfg: Any) -> None:

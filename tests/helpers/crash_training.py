@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 import fairseq.checkpoint_utils as checkpoint_utils
 import torch.distributed as dist
 
+import fairseq_shard_plugin
 import fairseq_shard_plugin.checkpoint.atomic_files as atomic_files
 
 MODE, UPDATE = sys.argv[1], int(sys.argv[2])
@@ -68,6 +69,9 @@ def main() -> None:
     # The plugin, imported later as the user dir, wraps this function in its own hook.
     checkpoint_utils.save_checkpoint = save_then_maybe_die(checkpoint_utils.save_checkpoint)
     from fairseq_cli.train import cli_main
+
+    # the plugin's modules are imported already, so fairseq skips its user dir
+    fairseq_shard_plugin.activate()
 
     sys.argv = ["fairseq-train", *sys.argv[3:]]
     cli_main()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ import fairseq_shard_plugin
 from fairseq_shard_plugin.sharding.engines import build_engine
 from fairseq_shard_plugin.sharding.engines import fairscale as engine
 from fairseq_shard_plugin.sharding.options import sharding_options
-from fairseq_shard_plugin.sharding.precision import compute_dtype
+from fairseq_shard_plugin.sharding.settings import ReshardPolicy, ShardingSettings
 from fairseq_shard_plugin.sharding.wrap_policy import LAYER_CLASSES, build_plan
 
 fairseq_shard_plugin.activate()  # as --user-dir does
@@ -61,7 +62,7 @@ def inspect(fairseq_args: list[str]) -> dict[str, Any]:
     model = task.build_model(cfg.model)
     full = {id(p): p.detach().clone() for p in model.parameters()}
     opts = sharding_options(cfg.task)
-    plan = build_plan(model, opts.keep_root_gathered)
+    plan = build_plan(model, ReshardPolicy(root=not opts.keep_root_gathered))
     unit_modules = {id(unit.modules[0]): unit.name for unit in plan.units}
     # flat layout of each unit: its module's parameters, in order, before wrapping
     layout = {unit.name: [full[id(p)] for p in unit.modules[0].parameters()]
@@ -71,8 +72,8 @@ def inspect(fairseq_args: list[str]) -> dict[str, Any]:
     layers = [m for m in model.modules() if isinstance(m, LAYER_CLASSES)]
     wrapped_by_fairseq = [hasattr(layer, "precheckpoint_forward") for layer in layers]
 
-    eng = build_engine("fairscale", False, compute_dtype(cfg.common), opts.reduce_in_16_bit,
-                       cfg.model)
+    settings = ShardingSettings.from_config(cfg, dist.get_world_size(), use_cuda=False)
+    eng = build_engine(replace(settings, engine="fairscale"))
     root = eng.shard(model, plan)
     root._lazy_init()  # fairscale settles the root's resharding here
 

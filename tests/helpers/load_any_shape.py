@@ -26,6 +26,7 @@ from fairseq_shard_plugin.sharding.full_state import (
     gather_full_state,
     loading_full_tensors_into_shards,
 )
+from fairseq_shard_plugin.sharding.settings import ShardingSettings
 from fairseq_shard_plugin.sharding.wrap_policy import build_plan
 
 SHAPES = {"dim0_of_1": (1, 1, 8), "one": (1,), "dim0_below_ranks": (2, 3),
@@ -52,7 +53,7 @@ def main() -> None:
     report_path, work = Path(sys.argv[1]), Path(sys.argv[2])
     dist.init_process_group("gloo")
     model = Awkward()
-    Fsdp2Engine("cpu", None, False).shard(model, build_plan(model))
+    Fsdp2Engine(ShardingSettings()).shard(model, build_plan(model))
     report: dict[str, dict] = {"local_numel": {}, "full": {}, "sharded": {}}
     for name, param in model.named_parameters():
         report["local_numel"][name] = param.to_local().numel()

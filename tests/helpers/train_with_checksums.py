@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+import fairseq_shard_plugin
 from fairseq_shard_plugin.training.trainer import ShardedTrainer
 
 
@@ -45,6 +46,9 @@ def main() -> None:
     ShardedTrainer.train_step = recorded_train_step  # type: ignore[method-assign]
     sys.argv = ["fairseq-train", *sys.argv[2:]]
     from fairseq_cli.train import cli_main
+
+    # the plugin's modules are imported already, so fairseq skips its user dir
+    fairseq_shard_plugin.activate()
 
     cli_main()
 

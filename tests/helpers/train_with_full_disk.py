@@ -15,6 +15,7 @@ import signal
 import sys
 from typing import Any
 
+import fairseq_shard_plugin
 from fairseq_shard_plugin.training.trainer import ShardedTrainer
 
 FULL_AFTER_UPDATE = int(os.environ["FULL_AFTER_UPDATE"])
@@ -35,6 +36,9 @@ ShardedTrainer.train_step = filling_the_disk(ShardedTrainer.train_step)  # type:
 
 if __name__ == "__main__":
     from fairseq_cli.train import cli_main
+
+    # the plugin's modules are imported already, so fairseq skips its user dir
+    fairseq_shard_plugin.activate()
 
     sys.argv = ["fairseq-train", *sys.argv[1:]]
     cli_main()

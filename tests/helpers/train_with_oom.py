@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
+import fairseq_shard_plugin
 from fairseq_shard_plugin.training.trainer import ShardedTrainer
 
 INJECT_UPDATE = int(os.environ["INJECT_UPDATE"])
@@ -45,6 +46,9 @@ ShardedTrainer.valid_step = watching(ShardedTrainer.valid_step, False)  # type: 
 
 if __name__ == "__main__":
     from fairseq_cli.train import cli_main
+
+    # the plugin's modules are imported already, so fairseq skips its user dir
+    fairseq_shard_plugin.activate()
 
     sys.argv = ["fairseq-train", *sys.argv[1:]]
     cli_main()

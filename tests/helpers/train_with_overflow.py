@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+import fairseq_shard_plugin
 from fairseq_shard_plugin.sharding.full_state import gather_full_state
 from fairseq_shard_plugin.sharding.precision import ShardedMasterOptimizer
 from fairseq_shard_plugin.training.trainer import ShardedTrainer
@@ -74,6 +75,9 @@ ShardedTrainer.train_step = train_step_with_report  # type: ignore[method-assign
 
 if __name__ == "__main__":
     from fairseq_cli.train import cli_main
+
+    # the plugin's modules are imported already, so fairseq skips its user dir
+    fairseq_shard_plugin.activate()
 
     sys.argv = ["fairseq-train", *sys.argv[1:]]
     cli_main()

@@ -16,12 +16,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fairseq_shard_plugin.sharding.engines import fsdp2
-from fairseq_shard_plugin.sharding.full_state import (
-    gather_full_state,
-    shard_optimizer_state_like_params,
-)
+from fairseq_shard_plugin.sharding.full_state import gather_full_state
 from fairseq_shard_plugin.sharding.gradients import global_grad_norm
 from fairseq_shard_plugin.sharding.precision import mixed_precision_policy
+from fairseq_shard_plugin.sharding.settings import ShardingSettings
 from fairseq_shard_plugin.sharding.wrap_policy import ShardingPlan
 
 
@@ -52,26 +50,18 @@ class Fsdp2Engine:
 
     name = "fsdp2"
 
-    def __init__(self, device_type: str, compute_dtype: torch.dtype | None,
-                 reduce_in_16_bit: bool, shard_group_size: int = 0,
-                 offload: bool = False, reduce_vocabulary_in_16_bit: bool = False) -> None:
-        self.device_type = device_type
-        self.compute_dtype, self.reduce_in_16_bit = compute_dtype, reduce_in_16_bit
-        # ranks per shard group (0: all ranks; fewer: hybrid sharding), CPU offload
-        self.shard_group_size, self.offload = shard_group_size, offload
-        self.reduce_vocabulary_in_16_bit = reduce_vocabulary_in_16_bit
+    def __init__(self, settings: ShardingSettings) -> None:
+        self.settings = settings
 
     def shard(self, model: nn.Module, plan: ShardingPlan) -> nn.Module:
+        settings = self.settings
         mesh = fsdp2.sharding_mesh(
-            self.device_type, self.shard_group_size or dist.get_world_size()
-        )
-        vocabulary_policy = (
-            mixed_precision_policy(self.compute_dtype, True)
-            if self.reduce_vocabulary_in_16_bit else None
-        )
-        fsdp2.apply_plan(plan, mesh,
-                         mixed_precision_policy(self.compute_dtype, self.reduce_in_16_bit),
-                         offload=self.offload, vocabulary_mp_policy=vocabulary_policy)
+            settings.device_type, settings.shard_group_size or dist.get_world_size())
+        units = mixed_precision_policy(settings.compute_dtype, settings.reduce_in_16_bit)
+        vocabulary = (mixed_precision_policy(settings.compute_dtype, reduce_in_16_bit=True)
+                      if settings.reduce_vocabulary_in_16_bit else None)
+        fsdp2.apply_plan(plan, mesh, units, offload=settings.offload,
+                         vocabulary_mp_policy=vocabulary)
         return model
 
     def grad_norm(self, params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -81,7 +71,8 @@ class Fsdp2Engine:
         return gather_full_state(state)
 
     def shard_loaded_state(self, optimizer: torch.optim.Optimizer) -> None:
-        shard_optimizer_state_like_params(optimizer)
+        """Nothing left to do: the optimizer steps on local shards, whose state
+        ``LocalShards.local_state`` sliced while it was loaded."""
 
     def gathered(self, plan: ShardingPlan) -> AbstractContextManager[None]:
         return fsdp2.gathered(plan)
@@ -92,8 +83,18 @@ class FairscaleEngine:
 
     name = "fairscale"
 
-    def __init__(self, settings: Any) -> None:
-        self.settings = settings  # engines.fairscale.FairscaleSettings
+    def __init__(self, settings: ShardingSettings) -> None:
+        from fairseq_shard_plugin.sharding.engines.fairscale import FairscaleSettings
+
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if settings.device_type == "cuda" else torch.device("cpu"))
+        self.settings = FairscaleSettings(
+            compute_device=device,
+            compute_dtype=settings.compute_dtype,
+            reduce_in_16_bit=settings.reduce_in_16_bit,
+            checkpoint_activations=settings.checkpoint_activations,
+            offload_activations=settings.offload_activations,
+        )
 
     def shard(self, model: nn.Module, plan: ShardingPlan) -> nn.Module:
         from fairseq_shard_plugin.sharding.engines import fairscale
@@ -124,30 +125,10 @@ class FairscaleEngine:
         raise NotImplementedError("generation in validation needs --shard-engine fsdp2")
 
 
-def build_engine(
-    name: str,
-    use_cuda: bool,
-    compute_dtype: torch.dtype | None,
-    reduce_in_16_bit: bool,
-    model_cfg: Any = None,
-    shard_group_size: int = 0,
-    offload: bool = False,
-    reduce_vocabulary_in_16_bit: bool = False,
-) -> Engine:
-    """The engine ``--shard-engine`` names, configured from the run's flags."""
-    if name == "fsdp2":
-        return Fsdp2Engine("cuda" if use_cuda else "cpu", compute_dtype, reduce_in_16_bit,
-                           shard_group_size, offload, reduce_vocabulary_in_16_bit)
-    if name == "fairscale":
-        from fairseq_shard_plugin.sharding.engines.fairscale import FairscaleSettings
-
-        device = (torch.device("cuda", torch.cuda.current_device()) if use_cuda
-                  else torch.device("cpu"))
-        return FairscaleEngine(FairscaleSettings(
-            compute_device=device,
-            compute_dtype=compute_dtype,
-            reduce_in_16_bit=reduce_in_16_bit,
-            checkpoint_activations=bool(getattr(model_cfg, "checkpoint_activations", False)),
-            offload_activations=bool(getattr(model_cfg, "offload_activations", False)),
-        ))
-    raise ValueError(f"unknown --shard-engine {name}: use fsdp2 or fairscale")
+def build_engine(settings: ShardingSettings) -> Engine:
+    """The engine ``--shard-engine`` names, configured by the run's settings."""
+    if settings.engine == "fsdp2":
+        return Fsdp2Engine(settings)
+    if settings.engine == "fairscale":
+        return FairscaleEngine(settings)
+    raise ValueError(f"unknown --shard-engine {settings.engine}: use fsdp2 or fairscale")
