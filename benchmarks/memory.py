@@ -174,7 +174,7 @@ def measure_one(options: argparse.Namespace, config: Configuration) -> dict:
     import torch
 
     from fairseq_shard_plugin.memory.allocator_meter import AllocatorMeter
-    from fairseq_shard_plugin.memory.meters import storage_bytes
+    from fairseq_shard_plugin.memory.meters import StepMemoryProbe, storage_bytes
 
     world_size = config.world_size or options.world_size
     with tempfile.TemporaryDirectory() as data:
@@ -182,7 +182,7 @@ def measure_one(options: argparse.Namespace, config: Configuration) -> dict:
         trainer = trainer_on_fake_group(fairseq_flags(Path(data), options, config), world_size)
     task = trainer.task
     if not options.cuda:  # exact on this single-threaded fake group, see allocator_meter.py
-        trainer._memory_probe.use_meter(AllocatorMeter)
+        trainer._memory_probe = StepMemoryProbe(trainer.device, AllocatorMeter)
     parameters = sum(p.numel() for p in trainer.model.parameters())
     device = "cuda" if options.cuda else "cpu"
     sample = synthetic_batch(len(task.target_dictionary), options.tokens, options.sentence,

@@ -31,7 +31,6 @@ from fairseq_shard_plugin.memory.model import (
     estimate,
     helps_most,
     largest_tokens,
-    transformer_shape,
 )
 from fairseq_shard_plugin.memory.run_estimate import (
     RunDescription,
@@ -57,6 +56,42 @@ TINY = ["--arch", "transformer", "--encoder-layers", "2", "--decoder-layers", "2
 def nllb_600m() -> ModelShape:
     """The 600M shape, built by fairseq on the meta device (as the CLI does)."""
     return shape_from_fairseq(parser().parse_args(["--arch", "nllb_dense_600m"]))
+
+
+def transformer_shape(
+    vocabulary: int, encoder_layers: int, decoder_layers: int, encoder_dim: int,
+    encoder_ffn: int, encoder_heads: int, decoder_dim: int | None = None,
+    decoder_ffn: int | None = None, decoder_heads: int | None = None,
+    share_all_embeddings: bool = True, max_positions: int = 1024,
+) -> ModelShape:
+    """Shape of fairseq's pre-norm ``transformer`` from its sizes (sinusoidal positions).
+
+    Without shared embeddings the source and target vocabularies are taken as equal and
+    the decoder's embedding stays tied to its output projection.
+    """
+    decoder_dim = decoder_dim or encoder_dim
+    decoder_ffn = decoder_ffn or encoder_ffn
+    decoder_heads = decoder_heads or encoder_heads
+
+    def attention(d: int) -> int:
+        return 4 * (d * d + d)
+
+    def feed_forward(d: int, ffn: int) -> int:
+        return 2 * d * ffn + ffn + d
+
+    encoder_layer = (attention(encoder_dim) + feed_forward(encoder_dim, encoder_ffn)
+                     + 4 * encoder_dim)
+    decoder_layer = (2 * attention(decoder_dim) + feed_forward(decoder_dim, decoder_ffn)
+                     + 6 * decoder_dim)
+    vocab_unit = vocabulary * decoder_dim
+    embeddings = vocab_unit if share_all_embeddings else vocab_unit + vocabulary * encoder_dim
+    total = (embeddings + encoder_layers * encoder_layer + decoder_layers * decoder_layer
+             + 2 * encoder_dim + 2 * decoder_dim)  # final layer norms
+    return ModelShape(
+        vocabulary, encoder_layers, decoder_layers, encoder_dim, decoder_dim, encoder_ffn,
+        decoder_ffn, encoder_heads, decoder_heads, total, encoder_layer, decoder_layer,
+        vocab_unit, (max_positions + 2) * (encoder_dim + decoder_dim),
+    )
 
 
 def test_600m_has_615_1m_parameters(nllb_600m: ModelShape) -> None:

@@ -30,6 +30,7 @@ from fairseq_shard_plugin.memory.model import (
     helps_most,
     largest_tokens,
 )
+from fairseq_shard_plugin.sharding.settings import precision_name
 
 PROG = "fairseq-shard-estimate"
 EPILOG = ("A training command as written: put its fairseq-train arguments after --; the "
@@ -123,12 +124,7 @@ def _check(options: argparse.Namespace) -> None:
 
 
 def setup_from(options: argparse.Namespace) -> TrainingSetup:
-    if options.fp16 or options.memory_efficient_fp16:
-        precision = "fp16"
-    elif options.bf16 or options.memory_efficient_bf16:
-        precision = "bf16"
-    else:
-        precision = "fp32"
+    precision = precision_name(options)  # the estimator's flags are named as fairseq's
     return TrainingSetup(
         world_size=options.world_size, tokens=options.max_tokens,
         tokens_per_sentence=options.tokens_per_sentence, precision=precision,

@@ -242,10 +242,6 @@ class StepMemoryProbe:
             return
         self._meter = meter
 
-    def use_meter(self, meter: Callable[..., Any]) -> None:
-        """Measure the following CPU steps with another meter class."""
-        self._meter_class = meter
-
     @property
     def meter(self) -> Any:
         """The active CPU meter (to mark offloaded storages), None on CUDA or between steps."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -20,28 +20,40 @@ def replicas(tensor: DTensor) -> int:
     )
 
 
-def global_grad_norm(params: Iterable[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
+# how one parameter's gradient enters the norm: its local tensor, and how many ranks hold
+# each of its elements (None: every rank holds the whole gradient)
+GradientShard = Callable[[torch.nn.Parameter, torch.Tensor], tuple[torch.Tensor, int | None]]
+
+
+def dtensor_shard(param: torch.nn.Parameter, grad: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """FSDP2's gradients: a DTensor's local shard, held by its replicas (hybrid sharding);
+    a plain tensor is replicated on every rank."""
+    if isinstance(grad, DTensor):
+        return grad.to_local(), replicas(grad)
+    return grad, None
+
+
+def global_grad_norm(params: Iterable[torch.nn.Parameter], device: torch.device,
+                     shard_of: GradientShard = dtensor_shard) -> torch.Tensor:
     """L2 norm of all gradients, as if unsharded: shards' squares summed across ranks once.
 
-    Under hybrid sharding every shard exists on each replica; its squares are divided by
-    the number of replicas before the all-reduce over all ranks, so each counts once.
-    Gradients that are not DTensors are replicated on every rank and added after the
-    all-reduce, so they are counted once.
+    A shard held by several ranks (each replica of hybrid sharding) has its squares divided
+    by their number before the all-reduce over all ranks, so each counts once. Gradients
+    every rank holds whole are added after the all-reduce, so they count once too.
     """
     sharded = torch.zeros((), dtype=torch.float32, device=device)
     replicated = torch.zeros((), dtype=torch.float32, device=device)
     has_sharded = False
     for param in params:
-        grad = param.grad
-        if grad is None:
+        if param.grad is None:
             continue
-        if isinstance(grad, DTensor):
-            has_sharded = True
-            squares = grad.to_local().float().pow(2).sum()
-            copies = replicas(grad)
-            sharded += (squares / copies if copies > 1 else squares).to(device)
+        local, copies = shard_of(param, param.grad)
+        squares = local.float().pow(2).sum().to(device)
+        if copies is None:
+            replicated += squares
         else:
-            replicated += grad.float().pow(2).sum().to(device)
+            has_sharded = True
+            sharded += squares / copies if copies > 1 else squares
     if has_sharded and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sharded)
     return (sharded + replicated).sqrt()

@@ -61,6 +61,12 @@ def compute_dtype(common_cfg: Any) -> torch.dtype | None:
     return None
 
 
+def precision_name(common_cfg: Any) -> str:
+    """``fp16``, ``bf16`` or ``fp32``: :func:`compute_dtype` by name."""
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", None: "fp32"}[
+        compute_dtype(common_cfg)]
+
+
 def ranks_per_node(environ: Mapping[str, str] = os.environ) -> int | None:
     """Ranks on this node as the launcher says: torchrun's ``LOCAL_WORLD_SIZE``, else Slurm's
     tasks per node (when several), else its GPUs on the node; None if nothing says."""

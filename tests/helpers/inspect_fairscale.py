@@ -31,6 +31,7 @@ from process_group import leave_process_group
 import fairseq_shard_plugin
 from fairseq_shard_plugin.sharding.engines import build_engine
 from fairseq_shard_plugin.sharding.engines import fairscale as engine
+from fairseq_shard_plugin.sharding.gradients import global_grad_norm
 from fairseq_shard_plugin.sharding.options import sharding_options
 from fairseq_shard_plugin.sharding.settings import ReshardPolicy, ShardingSettings
 from fairseq_shard_plugin.sharding.wrap_policy import LAYER_CLASSES, build_plan
@@ -78,7 +79,7 @@ def inspect(fairseq_args: list[str]) -> dict[str, Any]:
     root._lazy_init()  # fairscale settles the root's resharding here
 
     units = {}
-    for fsdp in engine.unit_instances(root):
+    for fsdp in unit_instances(root):
         inner = fsdp.module.module
         name = "<root>" if fsdp is root else unit_modules[id(inner)]
         (flat,) = fsdp.params
@@ -95,7 +96,7 @@ def inspect(fairseq_args: list[str]) -> dict[str, Any]:
         }
     decoder = root.module.module.decoder
     projection = decoder.output_projection
-    vocabulary = [f for f in engine.unit_instances(root)
+    vocabulary = [f for f in unit_instances(root)
                   if isinstance(f.module.module, engine.TiedEmbedding)]
     tie = {
         "vocabulary_units": len(vocabulary),
@@ -111,7 +112,7 @@ def inspect(fairseq_args: list[str]) -> dict[str, Any]:
     return {
         "layers_are_units": all(
             any(isinstance(f, FullyShardedDataParallel) and f.module.module is layer
-                for f in engine.unit_instances(root)) for layer in layers),
+                for f in unit_instances(root)) for layer in layers),
         "layers_checkpointed": [_checkpointed_by_fairscale(layer) for layer in layers],
         "layers_checkpointed_by_fairseq_before": wrapped_by_fairseq,
         "units": units, "tie": tie,
@@ -141,7 +142,8 @@ def _step_against_reference(task: Any, cfg: Any, reference: torch.nn.Module,
         loss.backward()
         params = list(root.parameters())
         result[f"loss{attempt}"] = loss.item()
-        result[f"norm{attempt}"] = engine.global_grad_norm(params, torch.device("cpu")).item()
+        result[f"norm{attempt}"] = global_grad_norm(
+            params, torch.device("cpu"), engine.flat_shard).item()
         for param in params:
             param.grad = None
     return result
@@ -158,7 +160,7 @@ def _grad_norm_round_trip(params: list[torch.Tensor]) -> dict[str, float]:
     fulls = [_known_full(p, i) for i, p in enumerate(params)]
     for param, full_grad in zip(params, fulls, strict=True):
         param.grad = _expected_shard(full_grad, world, rank)
-    sharded = engine.global_grad_norm(params, torch.device("cpu")).item()
+    sharded = global_grad_norm(params, torch.device("cpu"), engine.flat_shard).item()
     for param in params:
         param.grad = None
     return {"sharded": sharded, "unsharded": torch.cat(fulls).norm().item()}
@@ -182,6 +184,11 @@ def _optimizer_state_round_trip(params: list[torch.Tensor]) -> dict[str, bool]:
         torch.equal(reloaded.state[p][key], optimizer.state[p][key])
         for p in params for key in ("exp_avg", "exp_avg_sq"))
     return {"gathered_is_full": gathered_ok, "reloaded_is_local_slice": sliced_ok}
+
+
+def unit_instances(root: torch.nn.Module) -> list[FullyShardedDataParallel]:
+    """Every fairscale FSDP instance under (and including) ``root``, in module order."""
+    return [m for m in root.modules() if isinstance(m, FullyShardedDataParallel)]
 
 
 def main() -> None:

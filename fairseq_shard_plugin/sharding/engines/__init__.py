@@ -104,7 +104,7 @@ class FairscaleEngine:
     def grad_norm(self, params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
         from fairseq_shard_plugin.sharding.engines import fairscale
 
-        return fairscale.global_grad_norm(params, device)
+        return global_grad_norm(params, device, fairscale.flat_shard)
 
     def full_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict:
         from fairseq_shard_plugin.sharding.engines import fairscale

@@ -22,7 +22,6 @@ on load by :class:`ShardedRoot`, so checkpoints keep fairseq's standard keys.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,23 +195,10 @@ def _is_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "_is_sharded", False))
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """L2 norm of all gradients from the flat shards, with one all-reduce.
-
-    A shard's padding holds zero gradient; unsharded parameters count once.
-    """
-    sharded = torch.zeros((), dtype=torch.float32, device=device)
-    replicated = torch.zeros((), dtype=torch.float32, device=device)
-    for param in params:
-        if param.grad is not None:
-            square = param.grad.float().pow(2).sum().to(device)
-            if _is_sharded(param):
-                sharded += square
-            else:
-                replicated += square
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(sharded)
-    return (sharded + replicated).sqrt()
+def flat_shard(param: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """fairscale's gradients, for :func:`.gradients.global_grad_norm`: a flat shard (its
+    padding holds zero gradient) on one rank each, or a whole unsharded gradient."""
+    return grad, 1 if _is_sharded(param) else None
 
 
 def _local_shard(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
@@ -263,9 +249,3 @@ def shard_loaded_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 def full_model_state(model_state: dict[str, Any]) -> dict[str, Any]:
     """fairscale's root already returns full fp32 tensors; keep them on the CPU."""
     return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in model_state.items()}
-
-
-def unit_instances(root: nn.Module) -> Sequence[FullyShardedDataParallel]:
-    """Every fairscale FSDP instance under (and including) ``root``, in module order."""
-    return [m for m in root.modules() if isinstance(m, FullyShardedDataParallel)]
-
