@@ -21,14 +21,15 @@ lint: install
 test: lint
 	$(PY) -m pytest -q --durations=15 tests
 
-demo: install
-	$(PY) -m benchmarks.demo
-
 # Benchmarks draw charts with matplotlib (the "bench" extra).
 BENCH_STAMP := $(VENV)/.bench-stamp
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	touch $(BENCH_STAMP)
+
+# Loss curves and per-rank memory of the plugin and stock fairseq (benchmarks/results/demo.*).
+demo: $(BENCH_STAMP)
+	$(PY) -m benchmarks.demo
 
 # Per-rank memory breakdown at the NLLB-600M shape (about 25 minutes and 20 GiB on 2 cores).
 memory: $(BENCH_STAMP)

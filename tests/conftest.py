@@ -14,11 +14,17 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.harness import RunResult, run_training, training_args  # noqa: E402
+from fairseq_shard_plugin.checkpoint.safe_loading import (  # noqa: E402
+    allow_fairseq_checkpoint_types,
+)
 from fairseq_shard_plugin.cli.synthetic_data import make_corpus  # noqa: E402
 
 from tiny_training import EVAL_BLEU, REFERENCE_UPDATES, TINY  # noqa: E402
 
 LANGUAGES = ("eng_Latn", "fra_Latn", "deu_Latn")
+
+# Tests read fairseq checkpoints with torch.load(weights_only=True), as the plugin does.
+allow_fairseq_checkpoint_types()
 
 
 @pytest.fixture(scope="session")

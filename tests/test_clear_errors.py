@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,7 +110,7 @@ def test_single_process_without_torchrun_trains_on_a_one_rank_group(
 ) -> None:
     completed, _ = launches["one_rank"]
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert "and the root over 1 ranks" in completed.stdout + completed.stderr
+    assert "sharded over 1 ranks with fsdp2" in completed.stdout + completed.stderr
 
 
 def test_checkpoints_of_fairseqs_own_fully_sharded_are_not_silently_skipped(
@@ -123,3 +124,40 @@ def test_checkpoints_of_fairseqs_own_fully_sharded_are_not_silently_skipped(
     assert last_line.startswith("fairseq-shard-plugin: error: ")
     assert "--restore-file" in last_line and "checkpoint_last-shard0.pt" in last_line
     assert [f.name for f in save_dir.iterdir()] == ["checkpoint_last-shard0.pt"]
+
+
+EXPORT_AFTER_A_DAMAGED_SAVE = """
+import sys
+sys.path[:0] = [".", "tests"]
+import fairseq.distributed.utils as distributed_utils
+import fairseq_shard_plugin
+from tiny_training import sharded_config
+
+fairseq_shard_plugin.activate()
+corpus, save_dir, out = sys.argv[1:]
+cfg = sharded_config(corpus, "--task", "sharded_translation", "--user-dir", "fairseq_shard_plugin",
+                     "--cpu", "--save-dir", save_dir, "--export-consolidated", out)
+
+def training_whose_last_save_was_damaged(cfg, **kwargs):
+    with open(f"{save_dir}/checkpoint_last.pt", "wb") as file:
+        file.write(b"half a checkpoint")
+
+distributed_utils.call_main(cfg, training_whose_last_save_was_damaged)
+"""
+
+
+def test_a_damaged_checkpoint_at_the_end_of_training_export_ends_in_one_line(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """Hook 4 exports checkpoint_last.pt after training; every error of the plugin's family
+    (here the export's ConsolidateError) ends the run in one line, not a traceback. Only the
+    training is stood in for: the launch, the export and its error are the plugin's."""
+    done = subprocess.run(
+        [sys.executable, "-c", EXPORT_AFTER_A_DAMAGED_SAVE, str(corpus), str(tmp_path),
+         str(tmp_path / "model.pt")],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"fairseq-shard-plugin: error: {tmp_path}/checkpoint_last.pt: "), last
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "model.pt").exists()

@@ -60,9 +60,9 @@ CASES = [
          extra=("--fp16", "--checkpoint-format", "sharded")),
     Case("transformer_lm", ("--decoder-layers", "2", *small("decoder"),
                             "--tokens-per-sample", "64"), task="language_modeling",
-         max_tokens=128),
+         max_tokens=128, layer_units=2),
     Case("bart_base", ("--encoder-layers", "1", "--decoder-layers", "1",
-                       *small("encoder", "decoder"))),
+                       *small("encoder", "decoder")), layer_units=2),
     # weight-normed convolutions: weight_g of shape [1, 1, d], an empty shard on ranks 1-2
     Case("fconv_iwslt_de_en", ("--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
                                "--decoder-out-embed-dim", "32",

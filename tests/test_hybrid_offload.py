@@ -169,7 +169,7 @@ def test_ranks_started_by_srun_train_as_one_job(
     offload_pair: tuple[RunResult, RunResult],
 ) -> None:
     _, srun = offload_pair
-    assert "and the root over 2 ranks" in srun.output
+    assert "sharded over 2 ranks with fsdp2" in srun.output
     assert len(srun.series("train_inner", "loss")) == OFFLOAD_UPDATES  # one log: one job
 
 

@@ -47,7 +47,7 @@ def test_tiny_config_trains_on_two_cpu_ranks_with_overrides(corpus: Path, tmp_pa
                             cwd=tmp_path)
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output[-4000:]
-    assert "and the root over 2 ranks" in output
+    assert "sharded over 2 ranks with fsdp2" in output
     # the estimator's view of the run comes from the composed config with its overrides
     predicted = [line for line in output.splitlines() if "predicted peak: " in line]
     assert len(predicted) == 1 and "--max-tokens 400 " in predicted[0]
