@@ -16,6 +16,8 @@ import os
 import random
 import re
 import subprocess
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,20 +133,66 @@ def evaluate(case: Case, data: Path, checkpoint: Path) -> str:
     return done.stdout + done.stderr
 
 
+@dataclass
+class CaseRuns:
+    uninterrupted: RunResult
+    resumed: RunResult
+    evaluation: str  # fairseq-generate's or fairseq-eval-lm's output on the resumed run
+
+
+def run_case(case: Case, data: Path, work: Path) -> CaseRuns:
+    """Train uninterrupted, resume from ``checkpoint_1_2.pt``, evaluate the result."""
+    uninterrupted = train(case, data, work / "uninterrupted")
+    restore = work / "uninterrupted" / "checkpoint_1_2.pt"  # mid-epoch 1
+    assert restore.is_file(), restore  # fairseq would start afresh without a word
+    resumed = train(case, data, work / "resumed", "--restore-file", str(restore))
+    return CaseRuns(uninterrupted, resumed,
+                    evaluate(case, data, work / "resumed" / "checkpoint_last.pt"))
+
+
+def two_at_a_time(jobs: dict[str, Callable[[], object]]) -> dict[str, object]:
+    """Run ``jobs`` two at a time (each is a few processes, mostly starting Python, torch and
+    fairseq, which overlap well on 2 cores); each job's result, or the exception it raised."""
+    def outcome(job: Callable[[], object]) -> object:
+        try:
+            return job()
+        except Exception as error:  # re-raised by the test of that job
+            return error
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(outcome, job) for name, job in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def result_of(results: dict[str, object], name: str) -> object:
+    result = results[name]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+@pytest.fixture(scope="module")
+def case_runs(fairseq_data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+              ) -> dict[str, object]:
+    def job(case: Case) -> Callable[[], CaseRuns]:
+        data = fairseq_data["lm" if case.task == "language_modeling" else "translation"]
+        return lambda: run_case(case, data, tmp_path_factory.mktemp(case.arch))
+
+    return two_at_a_time({case.arch: job(case) for case in CASES})
+
+
 @pytest.mark.parametrize("case", CASES, ids=[case.arch for case in CASES])
 def test_resume_from_an_interval_checkpoint_matches_the_uninterrupted_run(
-    case: Case, fairseq_data: dict[str, Path], tmp_path: Path
+    case: Case, case_runs: dict[str, object]
 ) -> None:
-    data = fairseq_data["lm" if case.task == "language_modeling" else "translation"]
-    uninterrupted = train(case, data, tmp_path / "uninterrupted")
+    runs = result_of(case_runs, case.arch)
+    assert isinstance(runs, CaseRuns)
+    uninterrupted, resumed = runs.uninterrupted, runs.resumed
     plan = re.findall(r"sharded over \d ranks with fsdp2: (\d+) layer units", uninterrupted.output)
     assert plan == [str(case.layer_units)], plan  # logged by rank 0
     if "hybrid" in case.extra:  # one line (rank 0), and the run trains
         assert uninterrupted.output.count("so this run shards fully over them") == 1
     assert "train_num_updates" in uninterrupted.logs["train"][-1]
-    restore = tmp_path / "uninterrupted" / "checkpoint_1_2.pt"  # mid-epoch 1
-    assert restore.is_file()  # fairseq would start afresh without a word
-    resumed = train(case, data, tmp_path / "resumed", "--restore-file", str(restore))
 
     first = uninterrupted.logs["train_inner"]
     assert [int(e["num_updates"]) for e in first] == list(range(1, UPDATES + 1))
@@ -155,26 +203,40 @@ def test_resume_from_an_interval_checkpoint_matches_the_uninterrupted_run(
     for key in ("train_loss", "train_ppl", "train_gnorm", "train_num_updates"):
         assert resumed.logs["train"][-1][key] == uninterrupted.logs["train"][-1][key], key
 
-    output = evaluate(case, data, tmp_path / "resumed" / "checkpoint_last.pt")
     if case.task == "language_modeling":
-        assert re.search(r"Loss \(base 2\): \d+\.\d+, Perplexity: \d+\.\d+", output), output
+        assert re.search(r"Loss \(base 2\): \d+\.\d+, Perplexity: \d+\.\d+", runs.evaluation)
     else:
-        translated = re.search(r"Translated (\d+) sentences", output)
-        hypotheses = re.findall(r"^H-\d+\t", output, re.MULTILINE)
-        assert translated and len(hypotheses) == int(translated.group(1)) > 90, output[-2000:]
+        translated = re.search(r"Translated (\d+) sentences", runs.evaluation)
+        hypotheses = re.findall(r"^H-\d+\t", runs.evaluation, re.MULTILINE)
+        assert translated and len(hypotheses) == int(translated.group(1)) > 90, (
+            runs.evaluation[-2000:])
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
-def test_full_and_sharded_state_load_into_shards_of_any_shape(ranks: int, tmp_path: Path
-                                                              ) -> None:
-    """dim 0 of 1, below the number of ranks, uneven, 1-D: some ranks hold empty shards."""
+def load_any_shape(ranks: int, work: Path) -> dict:
     command = [tool("torchrun"), "--nproc_per_node", str(ranks), "--master_port",
                str(free_port()), str(REPO / "tests" / "helpers" / "load_any_shape.py"),
-               str(tmp_path / "report.json"), str(tmp_path)]
+               str(work / "report.json"), str(work)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads((tmp_path / "report.json").read_text())
+    return json.loads((work / "report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def shape_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    def job(ranks: int) -> Callable[[], dict]:
+        return lambda: load_any_shape(ranks, tmp_path_factory.mktemp(f"shapes_{ranks}"))
+
+    return two_at_a_time({str(ranks): job(ranks) for ranks in (2, 3, 4)})
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_full_and_sharded_state_load_into_shards_of_any_shape(
+    ranks: int, shape_reports: dict[str, object]
+) -> None:
+    """dim 0 of 1, below the number of ranks, uneven, 1-D: some ranks hold empty shards."""
+    report = result_of(shape_reports, str(ranks))
+    assert isinstance(report, dict)
     assert report["local_numel"]["dim0_of_1"] == 8  # rank 0 holds it all, the others none
     assert len(report["full"]) == len(report["sharded"]) == 6
     assert all(report["full"].values()), report["full"]
@@ -182,8 +244,8 @@ def test_full_and_sharded_state_load_into_shards_of_any_shape(ranks: int, tmp_pa
 
 
 def test_a_scalar_parameter_is_named_before_anything_is_sharded() -> None:
+    from fairseq_shard_plugin.errors import ShardingConfigError
     from fairseq_shard_plugin.sharding.engines.fsdp2 import refuse_scalar_parameters
-    from fairseq_shard_plugin.training.validation import ShardingConfigError
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     refuse_scalar_parameters(model)  # vectors and matrices are fine
