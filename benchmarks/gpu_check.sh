@@ -7,7 +7,7 @@
 #   1. benchmarks/results/gpu_check.{md,json}: four trainings at the NLLB-600M shape, world
 #      size 1 (stock fairseq's fairscale path as shipped, the plugin's two engines, the
 #      NLLB configs' memory features), CUDA peak allocated and reserved;
-#   2. benchmarks/results/gpu_memory_600m.{md,json,png}: the README's 600M table measured
+#   2. benchmarks/results/gpu_memory_600m.{md,json,png}: the 600M table (README, docs/memory.md) measured
 #      with CUDA statistics, per rank at world size 2 (fake process group, one device).
 set -euo pipefail
 cd "$(dirname "$0")/.."

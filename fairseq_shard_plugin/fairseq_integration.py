@@ -1,8 +1,12 @@
-"""The one place where the plugin reaches into fairseq internals.
+"""The one module that installs hooks into fairseq's modules.
 
-Loading the user dir calls :func:`install`. Each hook below says why fairseq's public
-extension points (registries, dataclass configs) cannot do the job. Runs that do not use
-``--ddp-backend fully_sharded`` take fairseq's own code paths unchanged.
+Loading the user dir calls :func:`install` (through the package's ``activate``). Each hook
+below says why fairseq's public extension points (registries, dataclass configs) cannot do
+the job. Runs that do not use ``--ddp-backend fully_sharded`` take fairseq's own code paths
+unchanged. The plugin reaches into fairseq in two other ways, both in
+:mod:`.training.trainer`: ``ShardedTrainer`` subclasses fairseq's ``Trainer`` and overrides
+two of its private methods, and sets a few of fairseq's config values while it builds
+(docs/architecture.md lists them).
 
 Hooks, in ``fairseq_cli.train`` unless named otherwise:
 

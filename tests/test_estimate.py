@@ -216,7 +216,7 @@ def test_committed_measurement_of_1_3b_and_3_3b_steps_fits_24_gb_and_matches_the
     The issue's "two 24 GB GPUs" claims: device side within 10%, host side (offload) too."""
     path = MEASURED.parent / results
     if not path.exists():
-        pytest.skip(f"benchmarks/results/{results} not produced yet (see README)")
+        pytest.skip(f"benchmarks/results/{results} not produced yet (see docs/memory.md)")
     shape = shape_from_fairseq(parser().parse_args(["--arch", arch]))
     for row in json.loads(path.read_text()):
         assert row["parameters"] == shape.parameters

@@ -2,7 +2,7 @@
 
 The branch is not on a package index, so CI cannot install it; these tests call the
 plugin's replacements directly with what the branch passes them (checked by hand on the
-branch itself, see README "With fairseq's nllb branch").
+branch itself, see docs/nllb.md).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from fairseq_shard_plugin.sharding.options import ShardingConfig
 from fairseq_shard_plugin.sharding.settings import ranks_per_node, shard_group_size
 from fairseq_shard_plugin.training.launch_env import (
     first_slurm_host,
+    host_threads_per_rank,
     slurm_as_torchrun,
 )
 
@@ -163,6 +164,15 @@ def test_offloaded_run_reaches_the_same_loss(offload_pair: tuple[RunResult, RunR
         series = offloaded.series("train_inner", key)
         assert len(series) == OFFLOAD_UPDATES
         assert relative_difference(series, resident.series("train_inner", key)) <= 1e-6, key
+    # Adam on offloaded shards is torch's, never apex's FusedAdam (GPU state only)
+    assert "Adam steps on the host with torch's implementation" in offloaded.output
+    assert "Adam steps on the host" not in resident.output
+
+
+def test_each_rank_of_a_node_gets_its_share_of_the_host_threads() -> None:
+    assert host_threads_per_rank({"LOCAL_WORLD_SIZE": "2"}, cores=16) == 8
+    assert host_threads_per_rank({"LOCAL_WORLD_SIZE": "8"}, cores=4) == 1
+    assert host_threads_per_rank({}, cores=6) == 6
 
 
 def test_ranks_started_by_srun_train_as_one_job(

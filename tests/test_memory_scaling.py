@@ -1,6 +1,7 @@
 """Sharding is measured, not assumed: per-rank memory of real runs on 1, 2 and 4 CPU ranks.
 
-Configuration and measurement: ``benchmarks/scaling.py`` (the README's table comes from it).
+Configuration and measurement: ``benchmarks/scaling.py`` (the scaling table in
+docs/memory.md comes from it).
 """
 
 from __future__ import annotations

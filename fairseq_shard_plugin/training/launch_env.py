@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -105,6 +106,15 @@ def adopt_slurm_environment(
     cuda_devices = torch.cuda.device_count() if uses_cuda(cfg) else 0
     port = cfg.distributed_training.distributed_port
     environ.update(slurm_as_torchrun(dict(environ), port, cuda_devices))
+
+
+def host_threads_per_rank(environ: Mapping[str, str] = os.environ,
+                          cores: int | None = None) -> int:
+    """CPU threads each rank of this node may use: the cores this process may run on,
+    shared by the node's ranks (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    available = cores or len(os.sched_getaffinity(0))
+    local_ranks = int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, available // max(1, local_ranks))
 
 
 def apply_torchrun_environment(

@@ -8,6 +8,7 @@ training loop (batching, logging, validation, checkpoint scheduling) runs unchan
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 import os
@@ -21,6 +22,7 @@ from fairseq import optim
 from fairseq.logging import metrics
 from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
+from omegaconf import open_dict
 from torch.distributed.tensor.experimental import implicit_replication
 
 from fairseq_shard_plugin.checkpoint.errors import (
@@ -58,7 +60,11 @@ from fairseq_shard_plugin.sharding.precision import (
 from fairseq_shard_plugin.sharding.settings import ShardingSettings
 from fairseq_shard_plugin.training import signal_stop
 from fairseq_shard_plugin.training.data_position import convert_position, record_ranks
-from fairseq_shard_plugin.training.launch_env import ensure_process_group, uses_cuda
+from fairseq_shard_plugin.training.launch_env import (
+    ensure_process_group,
+    host_threads_per_rank,
+    uses_cuda,
+)
 from fairseq_shard_plugin.training.out_of_memory import stop_on_out_of_memory
 from fairseq_shard_plugin.training.run_hooks import export_follows_training, loading_into_trainer
 from fairseq_shard_plugin.training.validation import (
@@ -137,6 +143,12 @@ class ShardedTrainer(Trainer):
                     dist.get_world_size(), self.settings.engine, sharded.description,
                     self.compute_dtype or torch.float32)
         self.offload = self.settings.offload
+        if self.offload and use_cuda:
+            # torchrun sets OMP_NUM_THREADS=1; the offloaded optimizer step runs on the host
+            threads = host_threads_per_rank()
+            torch.set_num_threads(threads)
+            logger.info(f"--cpu-offload: the host's optimizer step uses {threads} threads "
+                        "per rank")
         self._construct_fairseq_trainer(cfg, task, sharded.module, criterion, quantizer)
         self._memory_probe = (
             None if self.sharding_options.no_memory_report else StepMemoryProbe(self.device)
@@ -213,7 +225,7 @@ class ShardedTrainer(Trainer):
         ]
         # The optimizer updates plain tensors on the local shards (no DTensor dispatch).
         shards = LocalShards(params)
-        fp32_optimizer = optim.build_optimizer(self.cfg.optimizer, shards.locals)
+        fp32_optimizer = optim.build_optimizer(self._optimizer_config(), shards.locals)
         if not fp32_optimizer.supports_flat_params:
             raise ShardingConfigError(
                 f"--optimizer {self.cfg.optimizer._name} is not element-wise, so its sharded "
@@ -226,6 +238,20 @@ class ShardedTrainer(Trainer):
             self.cfg.lr_scheduler, self._optimizer
         )
         self._lr_scheduler.step_update(0)
+
+    def _optimizer_config(self) -> Any:
+        """fairseq's optimizer config; under ``--cpu-offload`` with Adam, the plain (torch)
+        implementation: fairseq picks apex's FusedAdam whenever CUDA and apex are present,
+        and its kernels need the state on the GPU, while offloaded shards step on the host."""
+        optimizer_cfg = self.cfg.optimizer
+        if not (self.offload and optimizer_cfg.get("use_old_adam") is False):
+            return optimizer_cfg
+        optimizer_cfg = copy.deepcopy(optimizer_cfg)
+        with open_dict(optimizer_cfg):
+            optimizer_cfg.use_old_adam = True
+        logger.info("--cpu-offload: Adam steps on the host with torch's implementation "
+                    "(as --use-old-adam), not apex's FusedAdam, which needs GPU state")
+        return optimizer_cfg
 
     def clip_grad_norm(self, clip_norm: float) -> torch.Tensor:
         stored_norm = self.engine.grad_norm(self._trainable_params(), self.device)
