@@ -6,8 +6,10 @@ through a fixed random permutation and the sentence is reversed. No downloads.
 With ``--languages`` it writes a multilingual corpus the way the NLLB recipe expects it:
 NLLB-style language codes, one binarised pair per direction
 (``train.eng_Latn-fra_Latn.eng_Latn.bin`` ...), one shared dictionary copied to
-``dict.{lang}.txt`` for every language, and a ``langs.txt`` for ``--lang-dict``. Each
-language renders the same underlying sentence with its own word permutation and order.
+``dict.{lang}.txt`` for every language, and a ``langs.txt`` of one code a line (a
+``--lang-dict`` file; the plugin's multilingual task also reads it as ``--langs``, as it
+reads NLLB's own langs.txt, one comma-separated line). Each language renders the same
+underlying sentence with its own word permutation and order.
 """
 
 from __future__ import annotations

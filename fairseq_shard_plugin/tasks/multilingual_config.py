@@ -54,11 +54,37 @@ class _GlobalsTheTaskReads(ShardingConfig):
     valid_subset: str = II("dataset.valid_subset")  # the nllb branch's data manager reads it
 
 
+# The nllb branch's data-source tags, in the order it adds them to the dictionary (after
+# the language tokens): ``DATA_SOURCE_PREFIX_TAGS`` and ``augment_dictionary`` in its
+# fairseq/data/multilingual/multilingual_utils.py. Released NLLB-200 models carry them.
+DATA_SOURCE_PREFIX_TAGS = {"mining": "<MINED_DATA>", "mmt_bt": "<MMT_BT_DATA>",
+                           "smt_bt": "<SMT_BT_DATA>"}
+PREFIX_TAGS_FLAG = "--add-data-source-prefix-tags"
+
+
+@cache
+def fairseq_adds_prefix_tags() -> bool:
+    """True where fairseq's own task has ``--add-data-source-prefix-tags`` (the nllb
+    branch), so fairseq adds the tags itself; fairseq 0.12 has no such option."""
+    parser = argparse.ArgumentParser(add_help=False)
+    TranslationMultiSimpleEpochTask.add_args(parser)
+    return any(PREFIX_TAGS_FLAG in a.option_strings for a in parser._actions)
+
+
 @cache
 def task_parser() -> argparse.ArgumentParser:
-    """The parser ``translation_multi_simple_epoch`` fills, raising on bad values."""
+    """The parser ``translation_multi_simple_epoch`` fills, raising on bad values; plus the
+    nllb branch's ``--add-data-source-prefix-tags`` where fairseq lacks it (the plugin's
+    task then adds the tags, see :mod:`.sharded_multilingual`)."""
     parser = _RaisingParser(prog=TASK_NAME, add_help=False)
     TranslationMultiSimpleEpochTask.add_args(parser)
+    if not fairseq_adds_prefix_tags():
+        parser.add_argument(
+            PREFIX_TAGS_FLAG, default=False, action="store_true",
+            help="add the nllb branch's data-source tags (" + ", ".join(
+                DATA_SOURCE_PREFIX_TAGS.values()) + ") to the dictionary after the language "
+            "tokens, as released NLLB-200 models have them (on fairseq 0.12 the vocabulary "
+            "only: sentences of train_mining etc. are not prefixed)")
     return parser
 
 

@@ -1,20 +1,71 @@
 """Task ``sharded_translation_multi_simple_epoch``: fairseq's multilingual task (the NLLB
 recipes' task) plus the sharding options, under ``fairseq-train`` and
-``fairseq-hydra-train`` alike (its dataclass config: :mod:`.multilingual_config`)."""
+``fairseq-hydra-train`` alike (its dataclass config: :mod:`.multilingual_config`).
 
+Two things of the nllb branch also work on fairseq 0.12, so that a released NLLB-200
+checkpoint's vocabulary (256,206 rows) can be rebuilt for ``--finetune-from-model``:
+``--add-data-source-prefix-tags`` (the data-source tags appended to the dictionary after
+the language tokens) and ``--langs langs.txt`` with NLLB's one-line, comma-separated file.
+"""
+
+import logging
+import re
 from typing import Any
 
+from fairseq.file_io import PathManager
 from fairseq.tasks import register_task
 from fairseq.tasks.translation_multi_simple_epoch import TranslationMultiSimpleEpochTask
 
 from fairseq_shard_plugin.sharding.options import add_sharding_args
 from fairseq_shard_plugin.tasks.multilingual_config import (
+    DATA_SOURCE_PREFIX_TAGS,
     TASK_NAME,
     MultilingualOptionError,
     ShardedMultilingualConfig,
     add_text_options,
+    fairseq_adds_prefix_tags,
     task_namespace,
 )
+
+logger = logging.getLogger(__name__)
+
+
+def _language_codes(text: str) -> list[str]:
+    """Language codes separated by commas or whitespace (NLLB's langs.txt is one
+    comma-separated line; a --lang-dict file has one code a line)."""
+    return [code for code in re.split(r"[,\s]+", text) if code]
+
+
+def _read_if_file(item: str) -> str:
+    if PathManager.isfile(item):
+        with PathManager.open(item) as f:
+            return f.read()
+    return item
+
+
+def read_language_files(namespace: Any) -> Any:
+    """``--langs`` may name a file, as the nllb branch reads it (fairseq 0.12 only splits
+    the text at commas); a ``--lang-dict`` file holding NLLB's comma-separated line becomes
+    that list (fairseq would read it as one language). Anything else is left as is."""
+    langs = namespace.langs
+    if langs:
+        items = [langs] if isinstance(langs, str) else [str(item) for item in langs]
+        namespace.langs = [code for item in items for code in _language_codes(
+            _read_if_file(item))]
+    lang_dict = getattr(namespace, "lang_dict", None)
+    if lang_dict and not langs and PathManager.isfile(lang_dict):
+        text = _read_if_file(lang_dict)
+        if "," in text:
+            namespace.langs, namespace.lang_dict = _language_codes(text), None
+    return namespace
+
+
+def add_prefix_tags(dicts: Any) -> None:
+    """Append the data-source tags to each distinct dictionary, as the nllb branch's
+    ``augment_dictionary`` does after the language tokens (and ``<mask>``, where added)."""
+    for dictionary in {id(d): d for d in dicts}.values():
+        for tag in DATA_SOURCE_PREFIX_TAGS.values():
+            dictionary.add_symbol(tag)
 
 
 @register_task(TASK_NAME, dataclass=ShardedMultilingualConfig)
@@ -29,8 +80,25 @@ class ShardedTranslationMultiSimpleEpochTask(TranslationMultiSimpleEpochTask):
 
     @classmethod
     def setup_task(cls, cfg: Any, **kwargs: Any) -> "ShardedTranslationMultiSimpleEpochTask":
-        namespace = task_namespace(cfg)
+        namespace = read_language_files(task_namespace(cfg))
         try:
             return super().setup_task(namespace, **kwargs)
         except ValueError as error:  # the parent's checks of its options, e.g. no --lang-pairs
             raise MultilingualOptionError(f"{TASK_NAME}: {error}") from error
+
+    def __init__(self, args: Any, langs: list[str], dicts: Any, training: bool) -> None:
+        # The parent's setup_task has loaded each dictionary and appended the language
+        # tokens; the tags come last, before anything reads the dictionaries.
+        if getattr(args, "add_data_source_prefix_tags", False) and not fairseq_adds_prefix_tags():
+            add_prefix_tags(dicts.values())
+            logger.info("added the data-source tags %s: dictionary of %d types",
+                        ",".join(DATA_SOURCE_PREFIX_TAGS.values()),
+                        len(next(iter(dicts.values()))))
+            folds = [s for s in str(getattr(args, "train_subset", "")).split(",")
+                     if s.startswith("train_") and s[len("train_"):] in DATA_SOURCE_PREFIX_TAGS]
+            if folds:
+                logger.warning(
+                    "--add-data-source-prefix-tags on this fairseq adds the tags to the "
+                    "dictionary only: sentences of %s are not prefixed with them as on "
+                    "fairseq's nllb branch", ",".join(folds))
+        super().__init__(args, langs, dicts, training)
