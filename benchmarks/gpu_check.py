@@ -1,35 +1,75 @@
-"""GPU check on one CUDA device, at the NLLB-600M shape: the plugin's FSDP2 and fairscale
-engines in fp16 against stock fairseq's own ``--ddp-backend fully_sharded`` (fairscale) path
-as shipped, same model, data and seed.
+"""GPU check on one CUDA device, at the NLLB-600M shape, in two parts (``gpu_check.sh``
+runs both, each under its own time budget).
 
-The model is ``nllb_dense_600m``'s shape spelled out in fairseq's own flags (12+12 layers,
-d 1024, ffn 4096, 16 heads, shared embeddings, pre-norm), so that stock fairseq, which does
-not know the plugin's architecture names, trains the same thing; the joined dictionary is
-padded to the NLLB vocabulary of 256,206 entries. Each run is measured by
-``fairseq-shard-measure-train`` (CUDA peak allocated and reserved) and its loss read from
-the log, next to the peak the plugin predicted before its first step (the estimator's
-constants were measured on CPU: this is its first check on CUDA). One device means world
-size 1: these runs compare the code paths and the memory features; the per-rank figures at
-world size 2 come from ``benchmarks.memory --cuda``, which ``gpu_check.sh`` runs next.
+Part 1, ``trainings``: the plugin's FSDP2 and fairscale engines in fp16 against stock
+fairseq's own ``--ddp-backend fully_sharded`` (fairscale) path as shipped, same model, data
+and seed. The model is ``nllb_dense_600m``'s shape spelled out in fairseq's own flags
+(12+12 layers, d 1024, ffn 4096, 16 heads, shared embeddings, pre-norm), so that stock
+fairseq, which does not know the plugin's architecture names, trains the same thing; the
+joined dictionary is padded to the NLLB vocabulary of 256,206 entries.
 
-    python -m benchmarks.gpu_check        # writes benchmarks/results/gpu_check.{md,json}
+Every run is launched by ``benchmarks.harness.run_training`` through
+``fairseq-shard-measure-train`` (it calls ``fairseq_cli.train.cli_main`` under the meters).
+The stock row's command has no ``--user-dir``, and the launcher activates the plugin only
+when ``--user-dir`` names it (importing the package installs nothing), so that process runs
+stock fairseq: no plugin task, architecture or hook; it gets stock fairseq's own
+distributed flags for one rank (``STOCK_DISTRIBUTED``: fairscale needs a process group, which
+fairseq does not create at world size 1). Each row records its launcher and how
+many log lines came from the plugin's loggers (0 for stock, checked). CUDA's peaks are
+whole-run peaks: stock fairseq resets CUDA's peak statistics every update (and the plugin's
+step probe does too), and the launcher folds each step's peak into a running maximum
+before every reset. Next to them: the peak the plugin predicted before its first step (the
+estimator's constants were measured on CPU), the final loss and words/s. One device means
+world size 1: these runs compare the code paths and the memory features.
+
+Part 2, ``memory``: the 600M memory table of ``benchmarks.memory`` measured with CUDA
+statistics, per rank at world size 2, on a fake process group in one process per
+configuration. On CUDA, fairseq's Trainer checks that gradient norms agree across ranks
+(``_check_grad_norms``, an all-reduce into a buffer it creates only on CUDA with more than
+one data-parallel rank); the fake group's all-reduce leaves the other rank's slot at zero,
+so that check would fail every step. It is not reached on CPU (no buffer), and fairseq has
+no flag for it (it skips it only for BMUF, slowmo and TPUs, none of which apply), so each
+configuration's trainer here drops the buffer, as fairseq's CPU path has it
+(``memory-one``); nothing else differs from ``python -m benchmarks.memory --cuda``.
+
+Both parts write their results after every run, so a timeout keeps what finished; each
+stops starting runs when its ``--budget`` (seconds) is spent and exits 0.
+
+    python -m benchmarks.gpu_check [trainings] [--budget S]  # results/gpu_check.{md,json}
+    python -m benchmarks.gpu_check memory [--budget S]       # results/gpu_memory_600m.*
+    python -m benchmarks.gpu_check {trainings,memory} --dry-run   # on CPU, tiny model,
+        # results in a temporary directory: checks the launchers and the result writing
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import harness
 from benchmarks.harness import REPO, run_training, training_args, transformer_args, write_results
-from fairseq_shard_plugin.cli.synthetic_data import make_corpus
 
 GIB = 1024**3
 NLLB_VOCABULARY = 256_206  # fairseq's 4 special symbols included
 MODEL = transformer_args(dim=1024, ffn=4096, layers=12, heads=16)
 UPDATES = 30
-RUN_TIMEOUT = 90  # seconds per run: four runs must fit the script's budget (gpu_check.sh)
+RUN_TIMEOUT = 90  # seconds at most per training run (fewer when the part's budget is short)
+MINIMUM_RUN = 20  # a run is not started with less time than this left
+# Stock fairseq at world size 1 runs its "single GPU main" without a process group, where
+# fairscale's FSDP (0.4.13: its reduce-scatter group) fails; these stock flags make it
+# initialise one (one rank, env:// from the variables run_training sets, as torchrun would).
+STOCK_DISTRIBUTED = ["--distributed-world-size", "1", "--distributed-rank", "0",
+                     "--distributed-init-method", "env://", "--distributed-no-spawn",
+                     "--device-id", "0"]
 RUNS = [
-    ("stock fairseq fully_sharded (fairscale), fp16", False, ["--fp16"]),
+    ("stock fairseq fully_sharded (fairscale), fp16", False, ["--fp16", *STOCK_DISTRIBUTED]),
     ("plugin fairscale engine, fp16", True,
      ["--fp16", "--task", "sharded_translation", "--shard-engine", "fairscale"]),
     ("plugin fsdp2, fp16", True, ["--fp16"]),
@@ -39,6 +79,29 @@ RUNS = [
       "--checkpoint-activations", "--reduce-vocabulary-in-16-bit",
       "--keep-vocabulary-gathered"]),
 ]
+TRAINING_COLUMNS = [
+    ("run", "run"), ("launcher", "launcher"), ("status", "status"),
+    ("CUDA peak allocated (GiB)", "cuda_peak_allocated_gib"),
+    ("CUDA peak reserved (GiB)", "cuda_peak_reserved_gib"),
+    ("predicted peak (GiB)", "predicted_peak_gib"), ("final loss", "final_loss"),
+    ("words/s", "words_per_second"),
+]
+MEMORY_NAME = "gpu_memory_600m"
+MEMORY_CONFIGURATIONS = ("stock-policy", "plugin", "plugin+chunked-loss+ac",
+                         "plugin+chunked-loss+ac+16-bit-vocab-reduce+vocab-gathered")
+MEMORY_TIMEOUT = 60  # seconds at most per configuration (fewer when the budget is short)
+# a log line of one of the plugin's loggers: fairseq's format ("... | INFO | name | message")
+# or Python's default one ("INFO:name:message")
+PLUGIN_LOG_LINE = re.compile(
+    r"^(?:.*\| [A-Z]+ \| |[A-Z]+:)fairseq_shard_plugin[.\w]*(?: \||:)", re.MULTILINE)
+
+
+class Deadline:
+    def __init__(self, budget: float) -> None:
+        self.end = time.monotonic() + budget
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
 
 
 def pad_dictionary(data: Path, size: int) -> None:
@@ -60,40 +123,232 @@ def predicted_peak_gib(output: str) -> float | None:
     return round(float(match.group(1)) / (1024 if match.group(2) == "MiB" else 1), 3)
 
 
-def main() -> None:
-    work = REPO / "demo_work" / "gpu_check"
-    data = make_corpus(work, vocab=16000, train=20000, valid=200, max_len=60)
-    pad_dictionary(data, NLLB_VOCABULARY)
-    rows = []
+def describe_launcher(command: list[str]) -> str:
+    """What started a run, read from the command the rank was started with."""
+    args = command[1:]
+    pairs = list(zip(args, args[1:], strict=False))
+    user_dirs = [value for flag, value in pairs if flag == "--user-dir"]
+    backends = [value for flag, value in pairs if flag == "--ddp-backend"]
+    plugin = (f"--user-dir {Path(user_dirs[-1]).name}: plugin activated" if user_dirs
+              else "no --user-dir: stock fairseq, no plugin hooks")
+    return (f"{Path(command[0]).name} (fairseq_cli.train), {plugin}, "
+            f"--ddp-backend {backends[-1] if backends else 'default'}")
+
+
+@dataclass
+class CommandSeen:
+    """A run_training watcher that keeps the command its first rank was started with."""
+
+    command: list[str] | None = None
+
+    def __call__(self, ranks: list[subprocess.Popen], outputs: list[str]) -> None:
+        if self.command is None and ranks:
+            self.command = [str(part) for part in ranks[0].args]
+
+
+def training_row(name: str, plugin: bool, run: harness.RunResult | None, launcher: str,
+                 seconds: float, timeout: float) -> dict:
+    if run is None:
+        return {"run": name, "launcher": launcher, "status": "not started: no time left",
+                **dict.fromkeys(("cuda_peak_allocated_gib", "cuda_peak_reserved_gib",
+                                 "predicted_peak_gib", "final_loss", "words_per_second"))}
+    memory = run.memory[0] if run.memory else {}
+    plugin_lines = len(PLUGIN_LOG_LINE.findall(run.output))
+    if run.returncode == 0:
+        status = "ok"
+    elif seconds >= timeout - 1:
+        status = f"timed out after {timeout:.0f} s"
+    else:
+        status = f"failed (exit {run.returncode})"
+    if not plugin and plugin_lines:
+        status += f"; NOT STOCK: {plugin_lines} plugin log lines"
+    losses = run.series("train_inner", "loss")
+    speeds = run.series("train", "train_wps") or run.series("train_inner", "wps")
+
+    def gib(key: str) -> float | None:
+        return round(memory[key] / GIB, 3) if key in memory else None
+
+    return {
+        "run": name, "launcher": launcher, "status": status, "returncode": run.returncode,
+        "seconds": round(seconds, 1), "plugin_log_lines": plugin_lines,
+        "cuda_peak_allocated_gib": gib("cuda_peak_allocated_bytes"),
+        "cuda_peak_reserved_gib": gib("cuda_peak_reserved_bytes"),
+        "predicted_peak_gib": predicted_peak_gib(run.output),
+        "final_loss": losses[-1] if losses else None,
+        "words_per_second": speeds[-1] if speeds else None,
+        "updates_logged": len(losses),
+    }
+
+
+def trainings(budget: float, dry_run: bool) -> None:
+    """Part 1: the four trainings; results rewritten after each."""
+    deadline = Deadline(budget)
+    from fairseq_shard_plugin.cli.synthetic_data import make_corpus
+
+    if dry_run:
+        work = Path(tempfile.mkdtemp(prefix="gpu_check_dry_"))
+        data = make_corpus(work / "data", vocab=200, train=200, valid=20, max_len=12)
+        pad_dictionary(data, 1000)
+        model, updates, tokens = transformer_args(dim=32, ffn=64, layers=1, heads=2), 2, 256
+    else:
+        work = REPO / "demo_work" / "gpu_check"
+        data = make_corpus(work, vocab=16000, train=20000, valid=200, max_len=60)
+        pad_dictionary(data, NLLB_VOCABULARY)
+        model, updates, tokens = MODEL, UPDATES, 4096
+    note = ("Produced by `bash benchmarks/gpu_check.sh` on one GPU: the NLLB-600M shape (12+12 "
+            f"layers, d 1024, ffn 4096, vocabulary {NLLB_VOCABULARY:,}), {tokens} tokens per "
+            f"batch, {updates} updates, world size 1. Every run under "
+            "`fairseq-shard-measure-train`; CUDA peaks are the maxima over the whole run "
+            "(each per-update reset of CUDA's peak statistics, by stock fairseq and by the "
+            "plugin's step probe, is folded into a running maximum first).")
+    rows: list[dict] = []
     for name, plugin, flags in RUNS:
         tag = f"run{len(rows)}"
-        args = training_args(data, work / tag, max_update=UPDATES, max_tokens=4096,
-                             cpu=False) + MODEL + flags + ["--no-save", "--disable-validation"]
-        run = run_training(args, nproc=1, plugin=plugin, measure_dir=work / tag / "memory",
-                           stock_backend="fully_sharded", cuda=True, timeout=RUN_TIMEOUT,
-                           check=False)
-        memory = run.memory[0] if run.memory else {}
-        rows.append({
-            "run": name,
-            "returncode": run.returncode,
-            "cuda_peak_allocated_gib": round(memory.get("cuda_peak_allocated_bytes", 0) / GIB, 3),
-            "cuda_peak_reserved_gib": round(memory.get("cuda_peak_reserved_bytes", 0) / GIB, 3),
-            "predicted_peak_gib": predicted_peak_gib(run.output),
-            "final_loss": run.series("train_inner", "loss")[-1:] or None,
-            "words_per_second": run.series("train", "train_wps")[-1:] or None,
-        })
-        if run.returncode != 0:
+        args = training_args(data, work / tag, max_update=updates, max_tokens=tokens,
+                             cpu=dry_run) + model + flags + ["--no-save", "--disable-validation"]
+        if dry_run:  # CPU: no fp16, gloo
+            args = [arg for arg in args if arg != "--fp16"]
+            if not plugin:
+                args += ["--distributed-backend", "gloo"]
+        timeout = min(RUN_TIMEOUT, deadline.left())
+        seen = CommandSeen()
+        run, seconds = None, 0.0
+        if timeout >= MINIMUM_RUN:
+            start = time.monotonic()
+            # cuda=True: stock fairseq runs under the measuring launcher itself (no
+            # stock_launch.sh), with --ddp-backend fully_sharded and no --user-dir
+            run = run_training(args, nproc=1, plugin=plugin, measure_dir=work / tag / "memory",
+                               stock_backend="fully_sharded", cuda=True, timeout=timeout,
+                               check=False, watch=seen)
+            seconds = time.monotonic() - start
+        launcher = describe_launcher(seen.command) if seen.command else "not started"
+        rows.append(training_row(name, plugin, run, launcher, seconds, timeout))
+        if run is not None and run.returncode != 0:
             (work / f"{tag}.log").write_text(run.output)
             rows[-1]["error_tail"] = run.output[-2000:]
-    table = write_results("gpu_check", rows, [
-        ("run", "run"), ("CUDA peak allocated (GiB)", "cuda_peak_allocated_gib"),
-        ("CUDA peak reserved (GiB)", "cuda_peak_reserved_gib"),
-        ("predicted peak (GiB)", "predicted_peak_gib"), ("final loss", "final_loss"),
-        ("words/s", "words_per_second"),
-    ], "Produced by `bash benchmarks/gpu_check.sh` on one GPU: the NLLB-600M shape (12+12 "
-       f"layers, d 1024, ffn 4096, vocabulary {NLLB_VOCABULARY:,}), 4096 tokens per batch, "
-       f"{UPDATES} updates, world size 1.")
+        print(f"gpu_check: {name}: {rows[-1]['status']} ({seconds:.0f} s)", flush=True)
+        finished = sum(row["status"] == "ok" for row in rows)
+        partial = ("" if len(rows) == len(RUNS) else
+                   f" Partial: {len(rows)} of {len(RUNS)} runs so far.")
+        table = write_results("gpu_check", rows, TRAINING_COLUMNS,
+                              f"{note} {finished} of {len(RUNS)} runs finished.{partial}")
     print(table)
+
+
+def memory_options(dry_run: bool) -> list[str]:
+    """``benchmarks.memory``'s arguments for part 2 (a tiny model on CPU for a dry run)."""
+    if dry_run:
+        return ["--model", "--arch transformer --encoder-layers 1 --decoder-layers 1 "
+                "--encoder-embed-dim 32 --decoder-embed-dim 32 --encoder-ffn-embed-dim 64 "
+                "--decoder-ffn-embed-dim 64 --encoder-attention-heads 2 "
+                "--decoder-attention-heads 2", "--vocabulary", "1000", "--tokens", "64",
+                "--sentence", "16", "--precision", "fp32", "--loss-chunk-tokens", "32"]
+    return ["--cuda"]
+
+
+def memory_part(budget: float, dry_run: bool) -> None:
+    """Part 2: one fresh process per configuration (``memory-one``); results rewritten
+    after each."""
+    from benchmarks import memory
+
+    deadline = Deadline(budget)
+    arguments = memory_options(dry_run)
+    options = memory.parse_options(arguments)
+    by_name = {c.name: c for c in (*memory.CONFIGURATIONS, *memory.OPTIONAL_CONFIGURATIONS)}
+    results: list[dict] = []
+    for name in MEMORY_CONFIGURATIONS:
+        config = by_name[name]
+        timeout = min(MEMORY_TIMEOUT, deadline.left())
+        failed = {"configuration": name, "description": config.description,
+                  "world_size": config.world_size or options.world_size}
+        start = time.monotonic()
+        if timeout < MINIMUM_RUN:
+            results.append({**failed, "error": "not started: no time left"})
+        else:
+            command = [sys.executable, "-m", "benchmarks.gpu_check", "memory-one", *arguments,
+                       "--only", name]
+            try:
+                completed = subprocess.run(command, capture_output=True, text=True,
+                                           timeout=timeout, cwd=REPO)
+            except subprocess.TimeoutExpired:
+                results.append({**failed, "error": f"timed out after {timeout:.0f} s"})
+            else:
+                if completed.returncode == 0:
+                    results.append(json.loads(completed.stdout.strip().splitlines()[-1]))
+                else:
+                    killed = " (killed: out of host memory?)" if completed.returncode == -9 else ""
+                    results.append({**failed,
+                                    "error": f"failed (exit {completed.returncode}){killed}",
+                                    "error_tail": completed.stderr[-2000:]})
+        status = results[-1].get("error") or f"peak {results[-1]['peak_gib']:.2f} GiB per rank"
+        print(f"gpu_check memory: {name}: {status} ({time.monotonic() - start:.0f} s)",
+              flush=True)
+        table = write_memory_results(memory, options, results, dry_run)
+    print(table)
+
+
+def write_memory_results(memory: object, options: argparse.Namespace, results: list[dict],
+                         dry_run: bool) -> str:
+    measured = [row for row in results if "error" not in row]
+    rows = memory.table_rows(measured) + [
+        {**dict.fromkeys(key for _, key in memory.COLUMNS),
+         "configuration": f"{row['configuration']} ({row['error']})",
+         "world_size": row["world_size"]}
+        for row in results if "error" in row]
+    device = "cpu (dry run)" if dry_run else "cuda"
+    note = (f"GiB per rank, {options.tokens} tokens per rank, {options.precision} compute, "
+            f"fp32 master shards, Adam, measured on {device} with a fake process group "
+            f"(fairseq's CUDA gradient-norm consistency check off: a fake group's all-reduce "
+            f"leaves the other rank's slot empty); device: the peak without the host-side "
+            f"state of --cpu-offload. Produced by `bash benchmarks/gpu_check.sh` "
+            f"(`python -m benchmarks.gpu_check memory`: `benchmarks.memory "
+            f"{' '.join(memory_options(dry_run)) if not dry_run else '(tiny model)'}` "
+            f"per configuration). {len(measured)} of {len(MEMORY_CONFIGURATIONS)} "
+            f"configurations measured.")
+    if len(results) < len(MEMORY_CONFIGURATIONS):
+        note += f" Partial: {len(results)} of {len(MEMORY_CONFIGURATIONS)} so far."
+    if memory.draw_chart(measured, harness.RESULTS / f"{MEMORY_NAME}.png"):
+        note += f" Chart: `benchmarks/results/{MEMORY_NAME}.png`."
+    table = write_results(MEMORY_NAME, rows, memory.COLUMNS, note)
+    (harness.RESULTS / f"{MEMORY_NAME}.json").write_text(json.dumps(results, indent=2) + "\n")
+    return table
+
+
+def memory_one(argv: list[str]) -> None:
+    """One configuration of ``benchmarks.memory`` (``--only``), its trainer without the
+    CUDA gradient-norm check that a fake process group cannot pass (module docstring)."""
+    from benchmarks import memory
+
+    on_fake_group = memory.trainer_on_fake_group
+
+    def without_grad_norm_check(fairseq_args: list[str], world_size: int) -> object:
+        trainer = on_fake_group(fairseq_args, world_size)
+        trainer._grad_norm_buf = None  # as fairseq's Trainer leaves it on CPU or one rank
+        return trainer
+
+    memory.trainer_on_fake_group = without_grad_norm_check
+    memory.main(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["memory-one"]:
+        memory_one(argv[1:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", nargs="?", choices=("trainings", "memory"), default="trainings")
+    parser.add_argument("--budget", type=float, default=len(RUNS) * RUN_TIMEOUT,
+                        help="seconds for the part: no run starts past it")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="on CPU with a tiny model, results in a temporary directory")
+    options = parser.parse_args(argv)
+    if options.dry_run:
+        harness.RESULTS = Path(tempfile.mkdtemp(prefix="gpu_check_results_"))
+        print(f"gpu_check: dry run, results in {harness.RESULTS}", flush=True)
+    if options.part == "memory":
+        memory_part(options.budget, options.dry_run)
+    else:
+        trainings(options.budget, options.dry_run)
 
 
 if __name__ == "__main__":

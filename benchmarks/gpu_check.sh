@@ -3,30 +3,98 @@
 # no fairseq: `make gpu-wheels` (run here, on the CPU machine) puts fairseq-fixed,
 # fairscale and their pure-Python dependencies into .whl/, which the call carries.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
-# Two parts, each copied to $OUT (if set) as soon as it is done, so a timeout keeps the first:
+# Two parts (benchmarks/gpu_check.py says what each measures and how):
 #   1. benchmarks/results/gpu_check.{md,json}: four trainings at the NLLB-600M shape, world
-#      size 1 (stock fairseq's fairscale path as shipped, the plugin's two engines, the
-#      NLLB configs' memory features), CUDA peak allocated and reserved;
-#   2. benchmarks/results/gpu_memory_600m.{md,json,png}: the 600M table (README, docs/memory.md) measured
-#      with CUDA statistics, per rank at world size 2 (fake process group, one device).
-set -euo pipefail
+#      size 1: stock fairseq's fairscale path as shipped (launched with no --user-dir, so no
+#      plugin hook is installed in that process), the plugin's two engines, the NLLB
+#      configs' memory features; CUDA peak allocated and reserved over the whole run, and
+#      the launcher of each row;
+#   2. benchmarks/results/gpu_memory_600m.{md,json,png}: the 600M table (README,
+#      docs/memory.md) measured with CUDA statistics, per rank at world size 2 (fake process
+#      group, one device; fairseq's CUDA gradient-norm consistency check is off there, as
+#      on CPU: a fake group cannot pass it).
+# Time budget, 480 s in all (the call's 540 s less a margin). Each step must end by the sum
+# of its budget and those before it, so seconds an earlier step leaves go to the next ones:
+#   pip install of .whl/ (fairseq-fixed compiles its C++/Cython extensions)  140 s
+#   pip install of the plugin                                                  25 s
+#   nvidia-smi                                                                 10 s
+#   part 1, four trainings (at most 90 s each)                                185 s
+#   part 2, four configurations (at most 60 s each)                           120 s
+# Each part writes its results after every run, and they are copied to $OUT (if set) when
+# the part ends, so a timeout keeps what finished. The script exits 0 with a summary of
+# what ran, whatever a step's outcome (2 only when it cannot start: no fairseq, no .whl/).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 SITE=/tmp/fairseq-site
+START=$SECONDS
+DUE=0         # seconds after START by which the current step must end
+SUMMARY=()
+
+# step NAME BUDGET COMMAND...: run COMMAND under a timeout that ends it by its deadline;
+# record the outcome. A step is skipped with less than 5 s left.
+step() {
+    local name=$1 budget=$2
+    shift 2
+    DUE=$((DUE + budget))
+    local left=$((DUE - (SECONDS - START) - 5)) began=$SECONDS code=0
+    if [ "$left" -lt 5 ]; then
+        SUMMARY+=("$name: skipped, no time left")
+        return 1
+    fi
+    timeout -k 5 "$left" "$@" || code=$?
+    local took=$((SECONDS - began))
+    case $code in
+        0) SUMMARY+=("$name: ok (${took} s)") ;;
+        124|137) SUMMARY+=("$name: TIMED OUT after ${took} s (limit ${left} s)") ;;
+        *) SUMMARY+=("$name: FAILED, exit $code (${took} s)") ;;
+    esac
+    return "$code"
+}
+keep() { if [ -n "${OUT:-}" ]; then cp benchmarks/results/"$1".* "$OUT"/ 2>/dev/null || true; fi; }
+summary() {
+    echo
+    echo "== gpu_check summary ($((SECONDS - START)) s) =="
+    printf '  %s\n' "${SUMMARY[@]}"
+    for name in gpu_check gpu_memory_600m; do
+        [ -f "benchmarks/results/$name.md" ] && { echo "-- $name.md"; cat "benchmarks/results/$name.md"; }
+    done
+    exit 0
+}
+
 if ! python3 -c "import fairseq" 2>/dev/null; then
     [ -d .whl ] || { echo "no fairseq and no .whl/: run 'make gpu-wheels' first" >&2; exit 2; }
-    # fairseq-fixed is an sdist: it compiles its extensions against the local torch.
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" \
+    # fairseq-fixed is an sdist: it compiles its extensions against the local torch. Its
+    # setup.py adds CUDA extensions (libnat_cuda, ngram_repeat_block_cuda, alignment_train_cuda)
+    # whenever CUDA_HOME is set, so it is unset here. Its only other switch, READTHEDOCS,
+    # drops every extension, data_utils_fast included, which fairseq's batching needs: not set.
+    step "pip install .whl/ (fairseq-fixed, fairscale, deps)" 140 env -u CUDA_HOME \
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" \
         .whl/*.whl .whl/*.tar.gz
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .
+    step "pip install the plugin" 25 env -u CUDA_HOME \
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .
     export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     export PATH="$SITE/bin:$PATH"
+    if ! python3 -c "import fairseq, fairscale, fairseq_shard_plugin" \
+        || ! command -v fairseq-shard-measure-train >/dev/null; then
+        SUMMARY+=("fairseq, fairscale or the plugin not installed: parts 1 and 2 skipped")
+        summary
+    fi
+else
+    DUE=$((DUE + 140 + 25))  # the install's budget goes to the next steps
 fi
-nvidia-smi --query-gpu=name,memory.total --format=csv
-keep() { if [ -n "${OUT:-}" ]; then cp benchmarks/results/"$1".* "$OUT"/ 2>/dev/null || true; fi; }
-timeout 380 python3 -m benchmarks.gpu_check || echo "gpu_check: exit $?" >&2
-keep gpu_check
-timeout 240 python3 -m benchmarks.memory --cuda --name gpu_memory_600m --configurations \
-    stock-policy,plugin,plugin+chunked-loss+ac,plugin+chunked-loss+ac+16-bit-vocab-reduce+vocab-gathered \
-    || echo "benchmarks.memory: exit $?" >&2
-keep gpu_memory_600m
+step "nvidia-smi" 10 nvidia-smi --query-gpu=name,memory.total --format=csv
+
+# part NAME BUDGET RESULTS ARGS...: a step running gpu_check.py ARGS, which is told to stop
+# starting runs 15 s before the step's timeout (to write its results and exit by itself).
+part() {
+    local name=$1 budget=$2 results=$3
+    shift 3
+    local left=$((DUE + budget - (SECONDS - START) - 5 - 15))
+    step "$name" "$budget" python3 -m benchmarks.gpu_check "$@" --budget "$((left > 0 ? left : 0))"
+    keep "$results"
+}
+part "part 1, trainings (benchmarks/results/gpu_check.*)" 185 gpu_check trainings
+part "part 2, 600M memory table (benchmarks/results/gpu_memory_600m.*)" 120 \
+    gpu_memory_600m memory
+summary

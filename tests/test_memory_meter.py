@@ -98,3 +98,33 @@ def test_allocator_meter_counts_new_tensors_marks_and_host_side_storages() -> No
     assert 10000 <= meter.device_peak_bytes < 10000 + 256
     assert 10000 <= meter.host_bytes < 10000 + 256
     del state  # alive until the meter closed: its 4,000 B are counted on the host
+
+
+def test_peaks_across_resets_keep_the_largest_peak_before_each_reset() -> None:
+    """fairseq's train_step resets CUDA's peak statistics every update: the measuring
+    launcher folds each step's peak into a running maximum before the reset goes through."""
+    from fairseq_shard_plugin.cli.measure_train import PeaksAcrossResets
+
+    allocator = {"now": 0, "peak": 0}
+    resets: list[object] = []
+
+    def allocate(nbytes: int) -> None:
+        allocator["now"] += nbytes
+        allocator["peak"] = max(allocator["peak"], allocator["now"])
+
+    def reset(device: object = None) -> None:
+        resets.append(device)
+        allocator["peak"] = allocator["now"]
+
+    peaks = PeaksAcrossResets(reset, {"allocated": lambda device=None: allocator["peak"]})
+    allocate(500)
+    allocate(-400)  # step 1 peaked at 500
+    peaks.reset("cuda:0")
+    allocate(200)
+    allocate(-200)  # step 2 peaked at 300
+    peaks.reset()
+    assert resets == ["cuda:0", None] and allocator["peak"] == 100  # the resets went through
+    allocate(50)
+    assert peaks.fold() == {"allocated": 500}
+    allocate(1000)
+    assert peaks.fold() == {"allocated": 1150}  # the current peak counts too
