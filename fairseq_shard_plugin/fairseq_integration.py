@@ -252,6 +252,13 @@ def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
                 # has the other ranks call ``state_dict()`` too; the nllb branch returns on
                 # them first, which would leave the saving rank alone in the collective.
                 trainer.state_dict()
+                if getattr(cfg, "synchronize_checkpoints_before_copy", False):
+                    # the nllb branch's barrier, which it runs on saving ranks only: already
+                    # satisfied (the save above was collective, and only the saving rank
+                    # copies), joined so that the saving rank does not wait alone
+                    import torch.distributed
+
+                    torch.distributed.barrier()
         except WriteError as error:
             raise save_failure(error, cfg.save_dir) from error
         if saving_rank and not cfg.no_save:

@@ -8,14 +8,17 @@ branch itself, see docs/nllb.md).
 from __future__ import annotations
 
 from argparse import Namespace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from fairseq_shard_plugin import fairseq_integration as integration
 from fairseq_shard_plugin.checkpoint.sharded import SHARDED_KEY
 from fairseq_shard_plugin.training import run_hooks
+from fairseq_shard_plugin.training.validation import check_branch_options
 
 
 def never_called(*args: Any) -> Any:
@@ -53,3 +56,61 @@ def test_the_plugin_given_again_as_user_dir_is_not_imported_twice() -> None:
         assert import_user_module(Namespace(user_dir=user_dir)) is None
     import_user_module(Namespace(user_dir="/opt/x/my_models"))
     assert imported == [None, "/opt/x/my_models"]
+
+
+def _save_twice_as_the_branch_does(rank: int, init_file: str, synchronize: bool) -> None:
+    """One rank of a 2-rank run: fairseq's nllb branch's ``save_checkpoint`` (reduced to its
+    collective steps) through the plugin's hook 5, then a collective the ranks must agree on."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=30))
+    barriers = []
+    stock_barrier = dist.barrier
+    dist.barrier = lambda *args, **kwargs: (barriers.append(rank), stock_barrier())[1]
+
+    class Trainer:
+        writes_checkpoints_atomically = True
+        should_save_checkpoint_on_current_rank = rank == 0
+        state_dict_calls = 0
+
+        def state_dict(self) -> dict:
+            self.state_dict_calls += 1
+            dist.all_reduce(torch.ones(1))  # the collective gather
+            return {}
+
+        def after_checkpoint_save(self) -> None:
+            pass
+
+    def branch_save(cfg: Any, trainer: Any, epoch_itr: Any, val_loss: Any) -> None:
+        # the branch's checkpoint_utils.save_checkpoint: non-saving ranks return before
+        # building the state (~67-68); the saving rank saves, then its barrier (~143-151)
+        if cfg.no_save or not trainer.should_save_checkpoint_on_current_rank:
+            return
+        trainer.state_dict()
+        if cfg.synchronize_checkpoints_before_copy:
+            torch.distributed.barrier()
+
+    save = integration._with_atomic_copies(branch_save)
+    cfg = Namespace(no_save=False, save_dir="", synchronize_checkpoints_before_copy=synchronize)
+    trainer = Trainer()
+    for _ in range(2):
+        save(cfg, trainer, None, None)
+    step = torch.tensor([float(rank)])
+    dist.all_reduce(step)  # the next training step's collective
+    assert step.item() == 1.0 and trainer.state_dict_calls == 2
+    assert barriers == ([rank, rank] if synchronize else [])
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("synchronize", [True, False])
+def test_synchronize_checkpoints_before_copy_is_joined_by_every_rank(
+    tmp_path: Path, synchronize: bool
+) -> None:
+    """The branch's --synchronize-checkpoints-before-copy runs a barrier on the saving rank
+    only: the other ranks join it after joining the save, so no rank waits alone."""
+    check_branch_options(Namespace(model=Namespace(), optimizer=Namespace(_name="adam"),
+                                   checkpoint=Namespace(synchronize_checkpoints_before_copy=True)))
+    torch.multiprocessing.start_processes(
+        _save_twice_as_the_branch_does, args=(str(tmp_path / "init"), synchronize), nprocs=2,
+        start_method="fork")

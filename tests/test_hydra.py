@@ -77,7 +77,58 @@ def test_dense_configs_compose(
     assert "ddp_backend: fully_sharded" in completed.stdout
 
 
-@pytest.mark.parametrize("config", [*DENSE, "tiny"])
+FINETUNE = ["finetune_600m", "finetune_1_3b", "finetune_3_3b"]
+RELEASED = "/models/nllb-200/checkpoint.pt"
+
+
+@pytest.fixture(scope="module")
+def composed_finetune(
+    tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, subprocess.CompletedProcess]:
+    """``--cfg job --resolve`` of each fine-tuning config with the checkpoint given, and of
+    one without it (composed concurrently; nothing is trained)."""
+    unset = ["env", "-u", "FINETUNE_FROM_MODEL"]
+    commands = {config: [*unset, *hydra_command(
+        config, "task.data=/data/nllb", f"checkpoint.finetune_from_model={RELEASED}",
+        "--cfg", "job", "--resolve")] for config in FINETUNE}
+    commands["not given"] = [*unset, *hydra_command(
+        "finetune_600m", "task.data=/data/nllb", "--cfg", "job", "--resolve")]
+    return run_concurrently(commands, cwd=tmp_path_factory.mktemp("compose_finetune"))
+
+
+@pytest.mark.parametrize("config", FINETUNE)
+def test_finetune_configs_compose_with_the_recipes_finetuning_values(
+    config: str, composed_finetune: dict[str, subprocess.CompletedProcess]
+) -> None:
+    completed = composed_finetune[config]
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    job = OmegaConf.create(completed.stdout)
+    # nllb200_dense3.3B_finetune_on_fbseed.yaml on fairseq's nllb branch
+    assert list(job.optimization.lr) == [5e-05]
+    assert job.lr_scheduler._name == "inverse_sqrt" and job.lr_scheduler.warmup_updates == 10
+    assert job.optimization.max_update == 50 and list(job.optimization.update_freq) == [1]
+    assert job.checkpoint.finetune_from_model == RELEASED
+    # finetune_from_model resets these itself; fairseq refuses them beside it
+    assert not any(job.checkpoint[f"reset_{part}"]
+                   for part in ("optimizer", "lr_scheduler", "meters", "dataloader"))
+    assert job.model._name == "nllb_" + config.replace("finetune", "dense")
+    assert job.task._name == "sharded_translation_multi_simple_epoch"
+    assert job.task.add_data_source_prefix_tags is True
+    assert job.distributed_training.ddp_backend == "fully_sharded"
+
+
+def test_finetune_config_needs_the_checkpoint(
+    composed_finetune: dict[str, subprocess.CompletedProcess]
+) -> None:
+    """Without checkpoint.finetune_from_model the config does not resolve, and
+    fairseq-hydra-train resolves it before launching anything (a plain ``???`` would not
+    do: fairseq's schema default, None, survives it and training would start from scratch)."""
+    completed = composed_finetune["not given"]
+    assert completed.returncode != 0
+    assert "Environment variable 'FINETUNE_FROM_MODEL' not found" in completed.stderr
+
+
+@pytest.mark.parametrize("config", [*DENSE, *FINETUNE, "tiny"])
 def test_every_plugin_option_is_listed_in_the_configs(config: str) -> None:
     """Keys absent from a config need Hydra's ``+`` to override: every config lists all."""
     listed = OmegaConf.load(CONFIGS / f"{config}.yaml").task

@@ -135,10 +135,6 @@ def check_branch_options(cfg: Any) -> None:
         "--s3-upload-path": (bool(getattr(checkpoint, "s3_upload_path", None)),
                              "it needs asynchronous checkpoint writes, which cannot stay "
                              "atomic: upload the saved files separately"),
-        "--synchronize-checkpoints-before-copy": (
-            bool(getattr(checkpoint, "synchronize_checkpoints_before_copy", False)),
-            "fairseq runs its barrier on the saving rank only, and the plugin's saves are "
-            "collective already: remove it"),
     }
     for flag, (given, advice) in unworkable.items():
         if given:
