@@ -104,6 +104,7 @@ import fairseq.distributed.utils as distributed_utils
 import fairseq.logging.meters as fairseq_meters
 import fairseq.utils as fairseq_utils
 import fairseq_cli.train as train_cli
+import torch.distributed as dist
 from fairseq.file_io import PathManager
 
 from fairseq_shard_plugin.checkpoint.atomic_files import WriteError, copy_atomically
@@ -246,19 +247,19 @@ def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
         try:  # a refused write (full disk) ends the run in one line that says what to do
             with _atomic_checkpoint_copies():
                 saved = stock_save(cfg, trainer, epoch_itr, val_loss, *args, **kwargs)
-            if (not saving_rank and not cfg.no_save
-                    and trainer.state_dict_calls == gathers_before):
-                # Building the state is collective (gathers, or a DCP save): fairseq 0.12
-                # has the other ranks call ``state_dict()`` too; the nllb branch returns on
-                # them first, which would leave the saving rank alone in the collective.
+            if not cfg.no_save and trainer.state_dict_calls == gathers_before:
+                # Building the state is collective (gathers, or a DCP save), so every rank
+                # must build it once per save. fairseq 0.12 has the other ranks build it at
+                # every save, even when the saving rank writes no file (a save on a signal
+                # or at the last update with --no-last-checkpoints); the nllb branch has
+                # them return first. Whichever rank did not build it during this save
+                # builds it now (the saving rank's copy is then discarded).
                 trainer.state_dict()
                 if getattr(cfg, "synchronize_checkpoints_before_copy", False):
-                    # the nllb branch's barrier, which it runs on saving ranks only: already
+                    # the nllb branch's barrier, which it runs on ranks that wrote: already
                     # satisfied (the save above was collective, and only the saving rank
-                    # copies), joined so that the saving rank does not wait alone
-                    import torch.distributed
-
-                    torch.distributed.barrier()
+                    # copies), joined so that no rank waits in it alone
+                    dist.barrier()
         except WriteError as error:
             raise save_failure(error, cfg.save_dir) from error
         if saving_rank and not cfg.no_save:

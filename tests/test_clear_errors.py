@@ -48,6 +48,10 @@ CHECKED = {
         "--task", "sharded_translation", "--save-on-signal", "usr1,foo"],
 }
 ONE_RANK = ["--no-save"]
+# the last update's save writes no file: no last checkpoint, no validation (no best), not
+# at an epoch's end; the ranks must still agree on building the state (this hung before)
+NOTHING_TO_WRITE = ["--task", "sharded_translation", "--no-last-checkpoints",
+                    "--disable-validation"]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +59,8 @@ def launches(
     corpus: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """Every case's finished ``fairseq-train`` and its --save-dir, all run concurrently."""
-    cases = dict(REFUSED, one_rank=ONE_RANK, fairscale_shards=[])
+    cases = dict(REFUSED, one_rank=ONE_RANK, fairscale_shards=[],
+                 nothing_to_write=NOTHING_TO_WRITE)
     save_dirs = {name: tmp_path_factory.mktemp("refused") / "save" for name in cases}
     save_dirs["fairscale_shards"].mkdir()
     (save_dirs["fairscale_shards"] / "checkpoint_last-shard0.pt").write_bytes(b"stock run")
@@ -111,6 +116,14 @@ def test_single_process_without_torchrun_trains_on_a_one_rank_group(
     completed, _ = launches["one_rank"]
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "sharded over 1 ranks with fsdp2" in completed.stdout + completed.stderr
+
+
+def test_a_save_that_writes_no_file_does_not_leave_a_rank_waiting(
+    launches: dict[str, tuple[subprocess.CompletedProcess, Path]],
+) -> None:
+    completed, save_dir = launches["nothing_to_write"]
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert not save_dir.exists() or not list(save_dir.iterdir())
 
 
 def test_checkpoints_of_fairseqs_own_fully_sharded_are_not_silently_skipped(

@@ -16,6 +16,7 @@ from fairseq import options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from benchmarks.harness import REPO, start_ranks, transformer_args
+from fairseq_shard_plugin.tasks import register
 
 TINY = transformer_args(dim=64, ffn=128, layers=2)
 # The stock and sharded reference runs (conftest fixtures) train this many updates.
@@ -29,7 +30,10 @@ EVAL_BLEU = ("--eval-bleu", "--eval-bleu-args", '{"beam": 1, "max_len_b": 10}',
 
 def sharded_config(corpus: Path, *flags: str) -> Any:
     """fairseq-train's configuration of a sharded TINY run with ``flags``, parsed by fairseq
-    as its command line does; no process is started (for checks of the configuration)."""
+    as its command line does; no process is started (for checks of the configuration).
+    The plugin's tasks are registered first: fairseq skips a ``--user-dir`` whose package
+    this process has imported already."""
+    register()
     args = options.parse_args_and_arch(options.get_training_parser(), [
         str(corpus), *TINY, "--ddp-backend", "fully_sharded", *flags])
     return convert_namespace_to_omegaconf(args)
