@@ -15,9 +15,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = REPO / "fairseq_shard_plugin"
@@ -243,6 +244,30 @@ def run_concurrently(
         stdout, stderr = process.communicate(timeout=timeout)
         finished[name] = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     return finished
+
+
+def in_threads(jobs: dict[str, Callable[[], Any]], workers: int = 2) -> dict[str, Any]:
+    """Run ``jobs`` (each starts trainings or other processes) ``workers`` at a time; each
+    job's result by name, or the exception it raised. Launches spend much of their time
+    starting Python, torch and fairseq, which overlaps well on 2 cores; measured memory is
+    per process and unaffected (time is, so benchmarks of speed keep ``workers=1``)."""
+    def outcome(job: Callable[[], Any]) -> Any:
+        try:
+            return job()
+        except Exception as error:  # handed to the caller with the job's name
+            return error
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {name: pool.submit(outcome, job) for name, job in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def result_of(results: dict[str, Any], name: str) -> Any:
+    """One job's result from :func:`in_threads`, its exception raised here."""
+    result = results[name]
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 RESULTS = REPO / "benchmarks" / "results"

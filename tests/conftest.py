@@ -13,7 +13,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.harness import RunResult, run_training, training_args  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    RunResult,
+    in_threads,
+    result_of,
+    run_training,
+    training_args,
+)
 from fairseq_shard_plugin.checkpoint.safe_loading import (  # noqa: E402
     allow_fairseq_checkpoint_types,
 )
@@ -44,20 +50,29 @@ def multilingual(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def stock_tiny_run(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    """Stock fairseq (legacy_ddp, no plugin) training TINY on 2 ranks: the fp32 reference;
-    its validations translate too (BLEU)."""
-    save_dir = tmp_path_factory.mktemp("stock_tiny")
-    args = training_args(corpus, save_dir, REFERENCE_UPDATES) + TINY + [*EVAL_BLEU]
-    return run_training(args, nproc=2, plugin=False)
+def reference_runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The stock and the sharded reference trainings, launched together (each is 2 ranks
+    of the same small training; nothing they are compared on depends on timing)."""
+    stock_dir = tmp_path_factory.mktemp("stock_tiny")
+    sharded_dir = tmp_path_factory.mktemp("sharded_tiny")
+    stock = training_args(corpus, stock_dir, REFERENCE_UPDATES) + TINY + [*EVAL_BLEU]
+    sharded = training_args(corpus, sharded_dir, REFERENCE_UPDATES) + TINY + [
+        "--task", "sharded_translation", *EVAL_BLEU]
+    runs = in_threads({
+        "stock": lambda: run_training(stock, nproc=2, plugin=False),
+        "sharded": lambda: (run_training(sharded, nproc=2, plugin=True), sharded_dir),
+    })
+    return {name: result_of(runs, name) for name in runs}
 
 
 @pytest.fixture(scope="session")
-def sharded_tiny_run(
-    corpus: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[RunResult, Path]:
+def stock_tiny_run(reference_runs: dict[str, object]) -> RunResult:
+    """Stock fairseq (legacy_ddp, no plugin) training TINY on 2 ranks: the fp32 reference;
+    its validations translate too (BLEU)."""
+    return reference_runs["stock"]  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="session")
+def sharded_tiny_run(reference_runs: dict[str, object]) -> tuple[RunResult, Path]:
     """The same training with the plugin (fully_sharded, fp32); its save dir."""
-    save_dir = tmp_path_factory.mktemp("sharded_tiny")
-    args = training_args(corpus, save_dir, REFERENCE_UPDATES) + TINY + [
-        "--task", "sharded_translation", *EVAL_BLEU]
-    return run_training(args, nproc=2, plugin=True), save_dir
+    return reference_runs["sharded"]  # type: ignore[return-value]

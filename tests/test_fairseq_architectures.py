@@ -17,7 +17,6 @@ import random
 import re
 import subprocess
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,16 @@ import pytest
 import torch
 from fairseq_fixtures import create_dummy_data, preprocess_lm_data, preprocess_translation_data
 
-from benchmarks.harness import PLUGIN_DIR, REPO, RunResult, free_port, run_training, tool
+from benchmarks.harness import (
+    PLUGIN_DIR,
+    REPO,
+    RunResult,
+    free_port,
+    in_threads,
+    result_of,
+    run_training,
+    tool,
+)
 
 UPDATES = 6  # over two epochs of fairseq's dummy data (batches of max_tokens)
 TRAIN = ["--optimizer", "adam", "--lr", "1e-3", "--max-update", str(UPDATES),
@@ -150,27 +158,6 @@ def run_case(case: Case, data: Path, work: Path) -> CaseRuns:
                     evaluate(case, data, work / "resumed" / "checkpoint_last.pt"))
 
 
-def two_at_a_time(jobs: dict[str, Callable[[], object]]) -> dict[str, object]:
-    """Run ``jobs`` two at a time (each is a few processes, mostly starting Python, torch and
-    fairseq, which overlap well on 2 cores); each job's result, or the exception it raised."""
-    def outcome(job: Callable[[], object]) -> object:
-        try:
-            return job()
-        except Exception as error:  # re-raised by the test of that job
-            return error
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(outcome, job) for name, job in jobs.items()}
-        return {name: future.result() for name, future in futures.items()}
-
-
-def result_of(results: dict[str, object], name: str) -> object:
-    result = results[name]
-    if isinstance(result, Exception):
-        raise result
-    return result
-
-
 @pytest.fixture(scope="module")
 def case_runs(fairseq_data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
               ) -> dict[str, object]:
@@ -178,7 +165,7 @@ def case_runs(fairseq_data: dict[str, Path], tmp_path_factory: pytest.TempPathFa
         data = fairseq_data["lm" if case.task == "language_modeling" else "translation"]
         return lambda: run_case(case, data, tmp_path_factory.mktemp(case.arch))
 
-    return two_at_a_time({case.arch: job(case) for case in CASES})
+    return in_threads({case.arch: job(case) for case in CASES})
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.arch for case in CASES])
@@ -227,7 +214,7 @@ def shape_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]
     def job(ranks: int) -> Callable[[], dict]:
         return lambda: load_any_shape(ranks, tmp_path_factory.mktemp(f"shapes_{ranks}"))
 
-    return two_at_a_time({str(ranks): job(ranks) for ranks in (2, 3, 4)})
+    return in_threads({str(ranks): job(ranks) for ranks in (2, 3, 4)})
 
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])

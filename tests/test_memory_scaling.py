@@ -16,7 +16,7 @@ from benchmarks.scaling import measure_scaling, peak_bytes, state_gib
 
 @pytest.fixture(scope="module")
 def runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
-    return measure_scaling(corpus, tmp_path_factory.mktemp("scaling"))
+    return measure_scaling(corpus, tmp_path_factory.mktemp("scaling"), workers=2)
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ from benchmarks.harness import (
     REPO,
     RunResult,
     free_port,
+    in_threads,
+    result_of,
     run_training,
     tool,
     training_args,
@@ -39,13 +42,22 @@ def runs(
     """The unsharded stock fp32 reference, the sharded fp32 run (both shared with other
     modules) and the sharded fp16 and bf16 runs of the same training."""
     results = {"reference": stock_tiny_run, "fp32": sharded_tiny_run[0]}
-    for name, flags in [("fp16", ["--fp16"]), ("bf16", ["--bf16"])]:
+
+    def job(name: str) -> Callable[[], RunResult]:
         save_dir = tmp_path_factory.mktemp(name)
         args = training_args(corpus, save_dir, UPDATES) + TINY + [
-            "--task", "sharded_translation", *flags]
-        results[name] = run_training(args, nproc=2, plugin=True)
-        results[name].save_dir = save_dir  # type: ignore[attr-defined]
-    return results
+            "--task", "sharded_translation", f"--{name}"]
+
+        def train() -> RunResult:
+            run = run_training(args, nproc=2, plugin=True)
+            run.save_dir = save_dir  # type: ignore[attr-defined]
+            return run
+
+        return train
+
+    sixteen_bit = in_threads({name: job(name) for name in ("fp16", "bf16")})  # memory is
+    # per process: the peaks compared below do not depend on running both at once
+    return {**results, **{name: result_of(sixteen_bit, name) for name in sixteen_bit}}
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])

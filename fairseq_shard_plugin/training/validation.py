@@ -23,6 +23,15 @@ def is_sharded_run(cfg: Any) -> bool:
 
 def check_sharded_config(cfg: Any) -> None:
     """Raise :class:`ShardingConfigError` for a sharded run that cannot work."""
+    _check_fairseq_features(cfg)
+    _check_plugin_options(cfg)
+    _check_parallelism_and_launch(cfg)
+    check_branch_options(cfg)
+    check_fairscale_engine(cfg)
+
+
+def _check_fairseq_features(cfg: Any) -> None:
+    """fairseq's training features that need an unsharded model or another wrapper."""
     common, dist_cfg = cfg.common, cfg.distributed_training
     if common.amp:
         raise ShardingConfigError(
@@ -40,6 +49,11 @@ def check_sharded_config(cfg: Any) -> None:
         )
     if cfg.optimization.use_bmuf:
         raise ShardingConfigError("--use-bmuf cannot be combined with --ddp-backend fully_sharded")
+
+
+def _check_plugin_options(cfg: Any) -> None:
+    """The plugin's own options, alone and against fairseq's checkpoint and precision flags."""
+    dist_cfg = cfg.distributed_training
     options = sharding_options(cfg.task)
     if options.shard_strategy == "hybrid":
         if options.shard_engine != "fsdp2":
@@ -76,6 +90,11 @@ def check_sharded_config(cfg: Any) -> None:
             "--fp32-reduce-scatter and --reduce-in-16-bit contradict each other: drop one "
             "(gradients reduce in fp32 by default under the plugin)"
         )
+
+
+def _check_parallelism_and_launch(cfg: Any) -> None:
+    """Other parallelism, fairscale's checkpoint format, and how CPU ranks are started."""
+    common, dist_cfg = cfg.common, cfg.distributed_training
     if dist_cfg.use_sharded_state:
         raise ShardingConfigError(
             "--use-sharded-state is fairscale's checkpoint format: remove it (for per-rank "
@@ -99,8 +118,6 @@ def check_sharded_config(cfg: Any) -> None:
             f"`torchrun --nproc_per_node {dist_cfg.distributed_world_size} "
             "$(which fairseq-train) ...` instead of --distributed-world-size"
         )
-    check_branch_options(cfg)
-    check_fairscale_engine(cfg)
 
 
 def ignored_fsdp_flags(cfg: Any) -> list[str]:
