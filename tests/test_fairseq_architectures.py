@@ -159,20 +159,27 @@ def run_case(case: Case, data: Path, work: Path) -> CaseRuns:
 
 
 @pytest.fixture(scope="module")
-def case_runs(fairseq_data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-              ) -> dict[str, object]:
-    def job(case: Case) -> Callable[[], CaseRuns]:
+def launches(fairseq_data: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+             ) -> dict[str, object]:
+    """Every case of the matrix and every shape load, three at a time: mostly process
+    start-up, which overlaps on 2 cores; nothing compared depends on timing."""
+    def case_job(case: Case) -> Callable[[], CaseRuns]:
         data = fairseq_data["lm" if case.task == "language_modeling" else "translation"]
         return lambda: run_case(case, data, tmp_path_factory.mktemp(case.arch))
 
-    return in_threads({case.arch: job(case) for case in CASES})
+    def shape_job(ranks: int) -> Callable[[], dict]:
+        return lambda: load_any_shape(ranks, tmp_path_factory.mktemp(f"shapes_{ranks}"))
+
+    return in_threads({**{case.arch: case_job(case) for case in CASES},
+                       **{f"shapes_{ranks}": shape_job(ranks) for ranks in (2, 3, 4)}},
+                      workers=3)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.arch for case in CASES])
 def test_resume_from_an_interval_checkpoint_matches_the_uninterrupted_run(
-    case: Case, case_runs: dict[str, object]
+    case: Case, launches: dict[str, object]
 ) -> None:
-    runs = result_of(case_runs, case.arch)
+    runs = result_of(launches, case.arch)
     assert isinstance(runs, CaseRuns)
     uninterrupted, resumed = runs.uninterrupted, runs.resumed
     plan = re.findall(r"sharded over \d ranks with fsdp2: (\d+) layer units", uninterrupted.output)
@@ -209,20 +216,12 @@ def load_any_shape(ranks: int, work: Path) -> dict:
     return json.loads((work / "report.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def shape_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    def job(ranks: int) -> Callable[[], dict]:
-        return lambda: load_any_shape(ranks, tmp_path_factory.mktemp(f"shapes_{ranks}"))
-
-    return in_threads({str(ranks): job(ranks) for ranks in (2, 3, 4)})
-
-
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_full_and_sharded_state_load_into_shards_of_any_shape(
-    ranks: int, shape_reports: dict[str, object]
+    ranks: int, launches: dict[str, object]
 ) -> None:
     """dim 0 of 1, below the number of ranks, uneven, 1-D: some ranks hold empty shards."""
-    report = result_of(shape_reports, str(ranks))
+    report = result_of(launches, f"shapes_{ranks}")
     assert isinstance(report, dict)
     assert report["local_numel"]["dim0_of_1"] == 8  # rank 0 holds it all, the others none
     assert len(report["full"]) == len(report["sharded"]) == 6
