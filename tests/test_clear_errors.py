@@ -46,6 +46,7 @@ CHECKED = {
         "--task", "sharded_translation", "--fp32-reduce-scatter", "--reduce-in-16-bit"],
     "--save-on-signal: SIGFOO is not a signal": [
         "--task", "sharded_translation", "--save-on-signal", "usr1,foo"],
+    "--restore-file /nowhere/model.pt: no such file": ["--restore-file", "/nowhere/model.pt"],
 }
 ONE_RANK = ["--no-save"]
 # the last update's save writes no file: no last checkpoint, no validation (no best), not

@@ -26,6 +26,7 @@ def check_sharded_config(cfg: Any) -> None:
     _check_fairseq_features(cfg)
     _check_plugin_options(cfg)
     _check_parallelism_and_launch(cfg)
+    _check_restore_file(cfg.checkpoint)
     check_branch_options(cfg)
     check_fairscale_engine(cfg)
 
@@ -90,6 +91,20 @@ def _check_plugin_options(cfg: Any) -> None:
             "--fp32-reduce-scatter and --reduce-in-16-bit contradict each other: drop one "
             "(gradients reduce in fp32 by default under the plugin)"
         )
+
+
+def _check_restore_file(checkpoint_cfg: Any) -> None:
+    """An explicit ``--restore-file`` that does not exist: fairseq would log "No existing
+    checkpoint found" and train from scratch, which is never what naming a file meant."""
+    restore = checkpoint_cfg.restore_file
+    if restore == "checkpoint_last.pt" or "://" in restore:  # the save dir's own, or remote
+        return
+    path = restore.replace(".pt", f"{checkpoint_cfg.checkpoint_suffix or ''}.pt")
+    if not os.path.exists(path):
+        raise ShardingConfigError(
+            f"--restore-file {path}: no such file (fairseq would train from scratch without "
+            "a word): give an existing checkpoint, or leave --restore-file out to resume "
+            "from the save dir's checkpoint_last.pt")
 
 
 def _check_parallelism_and_launch(cfg: Any) -> None:
