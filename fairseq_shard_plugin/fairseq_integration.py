@@ -34,7 +34,7 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    of the final ``checkpoint_last.pt`` (fairseq's ``main`` has no end-of-training hook),
    unless a signal stopped the training (hook 9).
    ``fairseq-hydra-train`` imports ``common.user_dir`` inside ``main``, after this call:
-   there the plugin's Hydra callback (``hydra_callback``) imports the plugin at job start.
+   there the plugin's Hydra callback (``hydra_callback``) activates the plugin at job start.
 5. ``checkpoint_utils.save_checkpoint``: fairseq writes the first checkpoint name through
    ``Trainer.save_checkpoint`` (atomic in the plugin's trainer) and then copies it to the
    other names (``checkpoint_last.pt``, ``checkpoint_best.pt``) with
@@ -49,7 +49,7 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
 6. ``checkpoint_utils.load_checkpoint_to_cpu``: every fairseq loader (the Trainer's resume,
    ``fairseq-generate``, ``from_pretrained``) reads checkpoints through it. A sharded
    checkpoint's file is an index whose tensors live in a DCP directory
-   (``checkpoint_sharded``); the wrapper replaces those references by tensors: the
+   (``checkpoint.sharded``); the wrapper replaces those references by tensors: the
    trainer's shards (collective, resharded to this world size) while the trainer loads,
    full tensors read in one process otherwise. While the trainer loads, a full checkpoint
    written without the plugin also has its optimizer entry relabelled for the sharded

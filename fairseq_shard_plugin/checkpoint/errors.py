@@ -71,7 +71,7 @@ def first_cause(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     if len(lines) > 1 and lines[0].startswith(_LOAD_STATE_DICT_HEADING):
         return f"{type(error).__name__}: {lines[1]}"
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+    return _first_line(error)
 
 
 # how torch's weights_only unpickler names a type it refused, in its two messages

@@ -220,7 +220,7 @@ def layer_sizes(layer: Any) -> tuple[int, int, int, float] | None:
 def shape_of(model: Any) -> ModelShape | None:
     """The shape of a built, unsharded encoder-decoder transformer (on any device, meta
     included) and its sharding units; None for other models."""
-    from fairseq_shard_plugin.sharding.wrap_policy import build_plan
+    from fairseq_shard_plugin.sharding.wrap_policy import build_plan, parameter_count
 
     encoder, decoder = getattr(model, "encoder", None), getattr(model, "decoder", None)
     encoder_layers, decoder_layers = (getattr(encoder, "layers", None),
@@ -234,12 +234,8 @@ def shape_of(model: Any) -> ModelShape | None:
     (encoder_dim, encoder_ffn, encoder_heads, encoder_dropout), \
         (decoder_dim, decoder_ffn, decoder_heads, decoder_dropout) = sizes
 
-    def count(modules: Any) -> int:
-        unique = {id(p): p.numel() for m in modules for p in m.parameters()}
-        return sum(unique.values())
-
     layers = {id(layer) for layer in (*encoder_layers, *decoder_layers)}
-    vocab_units = [count(unit.modules) for unit in build_plan(model).units
+    vocab_units = [parameter_count(unit.modules) for unit in build_plan(model).units
                    if id(unit.modules[0]) not in layers]
     buffers = sum(b.numel() for b in model.buffers() if b.is_floating_point() and b.numel() > 1)
     return ModelShape(
@@ -248,9 +244,9 @@ def shape_of(model: Any) -> ModelShape | None:
         encoder_dim=encoder_dim, decoder_dim=decoder_dim,
         encoder_ffn=encoder_ffn, decoder_ffn=decoder_ffn,
         encoder_heads=encoder_heads, decoder_heads=decoder_heads,
-        parameters=count([model]),
-        encoder_layer_parameters=count([encoder_layers[0]]),
-        decoder_layer_parameters=count([decoder_layers[0]]),
+        parameters=parameter_count([model]),
+        encoder_layer_parameters=parameter_count([encoder_layers[0]]),
+        decoder_layer_parameters=parameter_count([decoder_layers[0]]),
         vocabulary_unit_parameters=max(vocab_units, default=0),
         buffer_elements=buffers,
         attention_dropout=max(encoder_dropout, decoder_dropout) > 0,

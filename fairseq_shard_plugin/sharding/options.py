@@ -22,6 +22,7 @@ CHECKPOINT_FORMATS = ChoiceEnum(["full", "sharded"])
 # when asked to with --signal, and SIGTERM when it preempts or cancels)
 DEFAULT_SIGNALS = "SIGUSR1,SIGTERM"
 
+
 @dataclass
 class ShardingConfig(FairseqDataclass):
     """Options of ``--ddp-backend fully_sharded`` when the plugin is loaded."""

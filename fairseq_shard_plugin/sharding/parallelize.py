@@ -35,7 +35,7 @@ def parallelize(model: nn.Module, settings: ShardingSettings) -> ShardedModel:
        checkpoint wrapper while building the model (``--checkpoint-activations``), which
        keeps the layer module itself: the wrap policy finds it, and FSDP's hooks go around
        the checkpointed forward, so the recomputation runs while the unit is gathered for
-       its backward.
+       its backward. (The fairscale engine swaps in fairscale's wrapper, inside its units.)
     2. The plan: which modules form units (:mod:`.wrap_policy`) and which kinds free their
        gathered parameters after forward (``settings.reshard``).
     3. Precision and sharding, unit by unit and the root last (FSDP requires inner units

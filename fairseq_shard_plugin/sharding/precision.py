@@ -74,9 +74,9 @@ class ShardedMasterOptimizer(FairseqOptimizer):
     optimizer state stay bit-identical, and the scaler lowers the scale.
 
     With ``shards`` the wrapped optimizer was built over ``shards.locals`` (plain tensors on
-    the parameters' local shards, see :mod:`.local_shards`): ``params``
-    still yields the model's (DTensor) parameters, and :meth:`state_dict` /
-    :meth:`load_state_dict` still speak DTensors sharded like them.
+    the parameters' local shards, see :mod:`.local_shards`): ``params`` still yields the
+    model's (DTensor) parameters, and :meth:`state_dict` / :meth:`load_state_dict` still
+    speak DTensors sharded like them.
     """
 
     def __init__(

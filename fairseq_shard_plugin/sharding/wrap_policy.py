@@ -20,6 +20,7 @@ every fairseq model is covered, whatever ``--min-params-to-wrap`` says:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -147,22 +148,17 @@ def build_plan(model: nn.Module, reshard: ReshardPolicy | None = None,
     return ShardingPlan(units=tuple(layers + vocabulary), root=root)
 
 
-def _parameter_count(modules: tuple[nn.Module, ...], counted: set[int]) -> int:
-    total = 0
-    for module in modules:
-        for param in module.parameters():
-            if id(param) not in counted:
-                counted.add(id(param))
-                total += param.numel()
-    return total
+def parameter_count(modules: Iterable[nn.Module]) -> int:
+    """Elements of the parameters of ``modules``, each parameter counted once (tied ones)."""
+    unique = {id(p): p.numel() for module in modules for p in module.parameters()}
+    return sum(unique.values())
 
 
 def describe_plan(plan: ShardingPlan) -> str:
     """The plan in one line: how many units of which kind, and the root's share of the
     parameters (what stays gathered for the whole forward of the root's own modules)."""
-    counted: set[int] = set()
-    in_units = sum(_parameter_count(unit.modules, counted) for unit in plan.units)
-    total = in_units + _parameter_count(plan.root.modules, counted)
+    in_units = parameter_count(m for unit in plan.units for m in unit.modules)
+    total = parameter_count(plan.root.modules)
     vocabulary = [unit.name for unit in plan.units if unit.vocabulary]
     blocks = [unit.name for unit in plan.units if not unit.vocabulary]
     parts = [f"{len(blocks)} layer units ({_span(blocks)})" if blocks else "no layer units"]

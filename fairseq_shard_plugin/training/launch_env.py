@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fairseq_shard_plugin.sharding.settings import ranks_per_node
+
 logger = logging.getLogger(__name__)
 
 TORCHRUN_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
@@ -111,10 +113,9 @@ def adopt_slurm_environment(
 def host_threads_per_rank(environ: Mapping[str, str] = os.environ,
                           cores: int | None = None) -> int:
     """CPU threads each rank of this node may use: the cores this process may run on,
-    shared by the node's ranks (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    shared by the node's ranks (as the launcher says: :func:`.ranks_per_node`)."""
     available = cores or len(os.sched_getaffinity(0))
-    local_ranks = int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return max(1, available // max(1, local_ranks))
+    return max(1, available // (ranks_per_node(environ) or 1))
 
 
 def apply_torchrun_environment(

@@ -142,7 +142,6 @@ class ShardedTrainer(Trainer):
         logger.info("sharded over %d ranks with %s: %s; compute in %s, fp32 master shards",
                     dist.get_world_size(), self.settings.engine, sharded.description,
                     self.compute_dtype or torch.float32)
-        self.offload = self.settings.offload
         if self.offload and use_cuda:
             # torchrun sets OMP_NUM_THREADS=1; the offloaded optimizer step runs on the host
             threads = host_threads_per_rank()
@@ -170,6 +169,10 @@ class ShardedTrainer(Trainer):
     @property
     def shard_group_size(self) -> int:
         return self.settings.shard_group_size
+
+    @property
+    def offload(self) -> bool:
+        return self.settings.offload
 
     def _construct_fairseq_trainer(self, cfg: Any, task: Any, sharded_model: Any,
                                    criterion: Any, quantizer: Any) -> None:
@@ -349,7 +352,7 @@ class ShardedTrainer(Trainer):
     def valid_step(self, sample: Any, raise_oom: bool = False) -> Any:
         """fairseq's validation step, measured like a training step (the validation log
         line carries its peak); when it also generates (``--eval-bleu`` and the like), with
-        the whole model gathered around it (see :func:`.engines.fsdp2.gathered`). Running
+        the whole model gathered around it (see :func:`..sharding.engines.fsdp2.gathered`). Running
         out of memory stops the run (:mod:`.out_of_memory`): fairseq's retry of the batch
         on the one rank that failed would pair its collectives with the others' next ones."""
         generates = generating_validation_option(self.cfg.task) is not None
@@ -389,7 +392,7 @@ class ShardedTrainer(Trainer):
 
     def _report_checkpoint_space(self) -> None:
         """Once the optimizer state exists: log a checkpoint's size against the save dir's
-        free space, with a warning if a save will not fit (:mod:`.checkpoint_space`)."""
+        free space, with a warning if a save will not fit (:mod:`..checkpoint.space`)."""
         optimizer = self.optimizer
         state = optimizer.optimizer.state
         if not state:  # before the first real step (fp16 may skip the first ones)

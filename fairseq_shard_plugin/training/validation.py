@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -13,8 +12,6 @@ from fairseq_shard_plugin.sharding.options import sharding_options
 from fairseq_shard_plugin.sharding.settings import shard_group_size
 from fairseq_shard_plugin.training.launch_env import launched_by_torchrun, uses_cuda
 from fairseq_shard_plugin.training.signal_stop import parse_signals
-
-logger = logging.getLogger(__name__)
 
 
 def is_sharded_run(cfg: Any) -> bool:
