@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from benchmarks import forkserver
+
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = REPO / "fairseq_shard_plugin"
 STOCK_LAUNCH = REPO / "benchmarks" / "stock_launch.sh"
@@ -197,10 +199,10 @@ def start_ranks(
     port = str(free_port())
     outputs = [tempfile.TemporaryFile() for _ in range(nproc)]
     ranks = [
-        subprocess.Popen(command, cwd=cwd, stdout=output, stderr=subprocess.STDOUT, env=dict(
+        forkserver.start(command, dict(
             env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
             LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port))
+            MASTER_PORT=port), cwd, output)
         for rank, output in enumerate(outputs)
     ]
     codes, texts = wait_for_ranks(ranks, outputs, timeout, watch=watch)
@@ -218,8 +220,8 @@ def run_like_srun(command: list[str], ranks: int, cwd: Path = REPO) -> list[str]
                SLURM_JOB_ID="1")
     outputs = [tempfile.TemporaryFile() for _ in range(ranks)]
     tasks = [
-        subprocess.Popen(command, env=dict(env, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
-                         stdout=output, stderr=subprocess.STDOUT, cwd=cwd)
+        forkserver.start(command, dict(env, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),
+                         cwd, output)
         for rank, output in enumerate(outputs)
     ]
     codes, texts = wait_for_ranks(tasks, outputs, timeout=600)
@@ -229,21 +231,44 @@ def run_like_srun(command: list[str], ranks: int, cwd: Path = REPO) -> list[str]
     return texts
 
 
+class _Started:
+    """A command started with its stdout and stderr going to temporary files."""
+
+    def __init__(self, command: list[str], cwd: Path, env: dict[str, str] | None) -> None:
+        self.command = command
+        self.stdout, self.stderr = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        self.process = forkserver.start(command, dict(os.environ if env is None else env), cwd,
+                                        self.stdout, self.stderr)
+
+    def finish(self, timeout: float) -> subprocess.CompletedProcess:
+        try:
+            self.process.wait(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+        texts = []
+        for stream in (self.stdout, self.stderr):
+            stream.seek(0)
+            texts.append(stream.read().decode(errors="replace"))
+            stream.close()
+        return subprocess.CompletedProcess(self.command, self.process.returncode, *texts)
+
+
+def run_command(command: list[str], cwd: Path = REPO, env: dict[str, str] | None = None,
+                timeout: float = 300) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True)``, started through the
+    fork server when the tests enable it (:mod:`.forkserver`)."""
+    return _Started(command, cwd, env).finish(timeout)
+
+
 def run_concurrently(
     commands: dict[str, list[str]], cwd: Path = REPO, timeout: float = 300
 ) -> dict[str, subprocess.CompletedProcess]:
     """Start every command at once and wait for all; each one's result by name. Short
     commands spend most of their time starting Python, torch and fairseq, which overlaps."""
-    started = {
-        name: (command, subprocess.Popen(command, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True, cwd=cwd))
-        for name, command in commands.items()
-    }
-    finished = {}
-    for name, (command, process) in started.items():
-        stdout, stderr = process.communicate(timeout=timeout)
-        finished[name] = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-    return finished
+    started = {name: _Started(command, cwd, None) for name, command in commands.items()}
+    return {name: process.finish(timeout) for name, process in started.items()}
 
 
 def in_threads(jobs: dict[str, Callable[[], Any]], workers: int = 2) -> dict[str, Any]:

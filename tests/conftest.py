@@ -3,7 +3,7 @@ several test modules compare against (launched once per test session)."""
 
 from __future__ import annotations
 
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from benchmarks.harness import (  # noqa: E402
     RunResult,
     in_threads,
     result_of,
+    run_command,
     run_training,
     training_args,
 )
@@ -28,6 +29,11 @@ from fairseq_shard_plugin.cli.synthetic_data import make_corpus  # noqa: E402
 from tiny_training import EVAL_BLEU, REFERENCE_UPDATES, TINY  # noqa: E402
 
 LANGUAGES = ("eng_Latn", "fra_Latn", "deu_Latn")
+
+# Ranks start as forks of a Python that has imported fairseq (benchmarks/forkserver.py):
+# the same processes, without each one's 3.5 s of imports. FAIRSEQ_SHARD_TEST_FORKSERVER=0
+# launches every rank as a fresh process instead.
+os.environ.setdefault("FAIRSEQ_SHARD_TEST_FORKSERVER", "1")
 
 # Tests read fairseq checkpoints with torch.load(weights_only=True), as the plugin does.
 allow_fairseq_checkpoint_types()
@@ -43,9 +49,10 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def multilingual(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Binarised synthetic data in NLLB's layout: directions between LANGUAGES, langs.txt."""
     out = tmp_path_factory.mktemp("multilingual")
-    subprocess.run([sys.executable, "-m", "fairseq_shard_plugin.cli.synthetic_data", str(out),
-                    "--languages", ",".join(LANGUAGES), "--train", "600", "--valid", "50"],
-                   check=True, capture_output=True)
+    made = run_command([sys.executable, "-m", "fairseq_shard_plugin.cli.synthetic_data",
+                        str(out), "--languages", ",".join(LANGUAGES), "--train", "600",
+                        "--valid", "50"])
+    assert made.returncode == 0, made.stderr[-3000:]
     return out / "bin"
 
 

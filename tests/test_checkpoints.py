@@ -29,6 +29,7 @@ from benchmarks.harness import (
     RunResult,
     free_port,
     parse_logs,
+    run_command,
     run_concurrently,
     run_training,
     start_ranks,
@@ -271,8 +272,7 @@ def hypotheses(generated: subprocess.CompletedProcess) -> list[str]:
 
 def translations(corpus: Path, checkpoint: Path) -> list[str]:
     """Hypotheses of ``fairseq-generate --path checkpoint`` on the test set."""
-    return hypotheses(subprocess.run(generate_command(corpus, checkpoint), capture_output=True,
-                                     text=True, timeout=300))
+    return hypotheses(run_command(generate_command(corpus, checkpoint)))
 
 
 def test_export_at_end_of_training_is_a_standard_inference_checkpoint(

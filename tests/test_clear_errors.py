@@ -17,6 +17,7 @@ import pytest
 
 from benchmarks.harness import (
     PLUGIN_DIR,
+    run_command,
     run_concurrently,
     tool,
     training_args,
@@ -166,10 +167,9 @@ def test_a_damaged_checkpoint_at_the_end_of_training_export_ends_in_one_line(
     """Hook 4 exports checkpoint_last.pt after training; every error of the plugin's family
     (here the export's ConsolidateError) ends the run in one line, not a traceback. Only the
     training is stood in for: the launch, the export and its error are the plugin's."""
-    done = subprocess.run(
+    done = run_command(
         [sys.executable, "-c", EXPORT_AFTER_A_DAMAGED_SAVE, str(corpus), str(tmp_path),
-         str(tmp_path / "model.pt")],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+         str(tmp_path / "model.pt")])
     assert done.returncode == 1, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"fairseq-shard-plugin: error: {tmp_path}/checkpoint_last.pt: "), last

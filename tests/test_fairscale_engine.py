@@ -20,6 +20,7 @@ from benchmarks.harness import (
     PLUGIN_DIR,
     REPO,
     free_port,
+    run_command,
     run_training,
     tool,
     training_args,
@@ -156,7 +157,7 @@ def test_refused_without_cuda_before_training(corpus: Path, tmp_path: Path) -> N
     command = [tool("fairseq-train"), *training_args(corpus, save_dir, 2), *TINY,
                "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded",
                "--task", "sharded_translation", "--shard-engine", "fairscale"]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    completed = run_command(command)
     assert completed.returncode != 0
     last_line = completed.stderr.strip().splitlines()[-1]
     assert last_line.startswith("fairseq-shard-plugin: error: --shard-engine fairscale needs CUDA")

@@ -31,6 +31,7 @@ from benchmarks.harness import (
     free_port,
     in_threads,
     result_of,
+    run_command,
     run_training,
     tool,
 )
@@ -136,7 +137,7 @@ def evaluate(case: Case, data: Path, checkpoint: Path) -> str:
         command = [tool("fairseq-generate"), *common, *LANGS, "--beam", "3",
                    "--batch-size", "64", "--max-len-b", "5", "--gen-subset", "valid",
                    *(["--print-alignment"] if case.arch == "transformer_align" else [])]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = run_command(command)
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout + done.stderr
 

@@ -12,13 +12,14 @@ from pathlib import Path
 import fairseq
 import pytest
 
+from benchmarks.harness import run_command
+
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = REPO / "fairseq_shard_plugin"
 
 
 def run_python(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    return run_command([sys.executable, "-c", textwrap.dedent(code)])
 
 
 def test_a_foreign_functools_wraps_wrapper_is_wrapped_not_taken_for_the_plugins() -> None:

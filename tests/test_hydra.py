@@ -16,6 +16,7 @@ from benchmarks.harness import (
     REPO,
     free_port,
     parse_logs,
+    run_command,
     run_concurrently,
     run_like_srun,
     tool,
@@ -194,13 +195,12 @@ def test_nllb_multilingual_run_resumes_exactly_under_slurm(
 def test_nllb_multilingual_export_translates(multilingual: Path, multilingual_run: dict) -> None:
     """The end-of-training export, read by fairseq-generate in one direction."""
     export = multilingual_run["out"] / "export.pt"
-    generated = subprocess.run(
+    generated = run_command(
         [tool("fairseq-generate"), str(multilingual), "--path", str(export), "--cpu",
          "--user-dir", str(PLUGIN_DIR), "--task", "sharded_translation_multi_simple_epoch",
          "--lang-pairs", "eng_Latn-fra_Latn", "--lang-dict", str(multilingual / "langs.txt"),
          "--source-lang", "eng_Latn", "--target-lang", "fra_Latn", "--encoder-langtok", "src",
-         "--decoder-langtok", "--gen-subset", "valid", "--beam", "2", "--max-tokens", "1000"],
-        capture_output=True, text=True, timeout=300)
+         "--decoder-langtok", "--gen-subset", "valid", "--beam", "2", "--max-tokens", "1000"])
     assert generated.returncode == 0, generated.stderr[-3000:]
     translated = re.search(r"Translated (\d+) sentences", generated.stdout + generated.stderr)
     hypotheses = sum(line.startswith("H-") for line in generated.stdout.splitlines())

@@ -16,7 +16,6 @@ import os
 import pickle
 import shlex
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from benchmarks.harness import run_command
 from fairseq_shard_plugin.checkpoint import consolidate, verify
 from fairseq_shard_plugin.checkpoint.shard_metadata import (
     MetadataUnpickler,
@@ -252,8 +252,7 @@ def test_the_verify_command_refuses_crafted_metadata(genuine: _Genuine, tmp_path
     index_file, _, directory = genuine.copy(tmp_path / "save")
     marker = tmp_path / "marker"
     _crafted(directory, os.system, marker)
-    done = subprocess.run([str(command), str(index_file)], capture_output=True, text=True,
-                          timeout=300)
+    done = run_command([str(command), str(index_file)])
     assert done.returncode == 1, done.stderr
     _one_line_refusal(done.stdout.splitlines()[0], index_file, PAYLOADS["os.system"][1])
     assert not marker.exists()

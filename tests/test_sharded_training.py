@@ -16,6 +16,7 @@ from benchmarks.harness import (
     REPO,
     RunResult,
     free_port,
+    run_command,
     run_training,
     tool,
     training_args,
@@ -128,12 +129,10 @@ def test_checkpoint_is_a_standard_full_checkpoint(
     bleu_counts = [meter for meter in state["extra_state"]["metrics"]["valid"]
                    if meter[1] == "_bleu_counts"]
     assert bleu_counts and isinstance(bleu_counts[0][3]["sum"], np.ndarray)
-    generated = subprocess.run(
+    generated = run_command(
         [tool("fairseq-generate"), str(corpus), "--path", str(save_dir / "checkpoint_last.pt"),
          "--user-dir", str(PLUGIN_DIR), "--cpu", "--beam", "2", "--max-tokens", "1000",
-         "--max-len-b", "20"],
-        capture_output=True, text=True, timeout=300,
-    )
+         "--max-len-b", "20"])
     assert generated.returncode == 0, generated.stderr[-3000:]
     hypotheses = [line for line in generated.stdout.splitlines() if line.startswith("H-")]
     translated = re.search(r"Translated (\d+) sentences", generated.stderr + generated.stdout)

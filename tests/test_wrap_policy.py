@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 import torch.nn as nn
 from fairseq import options, tasks
 
+from benchmarks.harness import run_command
 from fairseq_shard_plugin.sharding.settings import ReshardPolicy
 from fairseq_shard_plugin.sharding.wrap_policy import LAYER_CLASSES, build_plan, is_linear_layer
 from fairseq_shard_plugin.tasks import register  # noqa: E402
@@ -138,7 +138,7 @@ def test_only_the_vocabulary_unit_reduces_in_16_bit_when_asked(corpus: Path) -> 
                "--share-all-embeddings", *SMALL, "--bf16", "--cpu",
                "--ddp-backend", "fully_sharded", "--optimizer", "adam", "--lr", "1e-3",
                "--reduce-vocabulary-in-16-bit"]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    completed = run_command(command)
     assert completed.returncode == 0, completed.stderr[-3000:]
     reduce_dtypes = json.loads(completed.stdout.strip().splitlines()[-1])
     vocabulary = [name for name in reduce_dtypes if "embed_tokens" in name]
