@@ -14,27 +14,36 @@ import torch
 from fairseq import tasks
 
 from benchmarks.harness import PLUGIN_DIR, run_concurrently
+from fairseq_shard_plugin.cli.estimate import main as estimate_main
 from fairseq_shard_plugin.cli.estimate_command import flags_from_training_command
 from fairseq_shard_plugin.memory.estimate import (
     EstimateError,
     parse,
     parser,
     run,
+    setup_from,
     shape_from_fairseq,
     shape_of,
 )
 from fairseq_shard_plugin.memory.model import (
+    CHUNK_ELEMENTS,
     GIB,
+    HOST_CASES,
     TOKENS_STEP,
+    HostSetup,
     ModelShape,
     TrainingSetup,
     estimate,
     helps_most,
+    host_memory,
+    largest_local_elements,
     largest_tokens,
+    training_host_peak,
 )
 from fairseq_shard_plugin.memory.run_estimate import (
     RunDescription,
     describe_run,
+    host_memory_warning,
     predict,
     run_description,
 )
@@ -432,7 +441,16 @@ def test_a_run_is_described_by_flags_that_rebuild_its_model(corpus: Path) -> Non
     described = describe_run(cfg, model, 2)
     assert described.shape == shape_of(model)
     assert shape_from_fairseq(parse(described.flags)) == described.shape
-    assert {"--bf16", "--attention-dropout", "--world-size"} <= set(described.flags)
+    assert {"--bf16", "--attention-dropout", "--world-size", "--cpu"} <= set(described.flags)
+    assert not {"--fp16-adam-stats", "--checkpoint-format"} & set(described.flags)
+    # 16-bit model state and the sharded format are part of the description
+    state = run_description(sharded_config(
+        corpus, *flags[:-1], "--memory-efficient-bf16", "--fp16-adam-stats",
+        "--checkpoint-format", "sharded"), model, 2).flags
+    assert {"--memory-efficient-bf16", "--fp16-adam-stats"} <= set(state)
+    assert state[state.index("--checkpoint-format") + 1] == "sharded"
+    setup = setup_from(parse(state))
+    assert setup.params_in_16_bit and setup.fp16_adam_stats and setup.state_bytes == 8
     for other, reason in ((("--optimizer", "adafactor"), "--optimizer adafactor is not "
                            "modelled (one of adam, sgd)"),
                           (("--criterion", "label_smoothed_cross_entropy_with_alignment"),
@@ -485,3 +503,185 @@ def test_a_hybrid_training_command_is_estimated_for_its_shard_groups(corpus: Pat
     assert flags[flags.index("--world-size") + 1] == "2"
     with pytest.raises(EstimateError, match="--shard-strategy hybrid needs the ranks per node"):
         flags_from_training_command(["--world-size", "8"], command)
+
+
+# 16-bit model state and host memory: arithmetic only (no fairseq model, no process).
+
+SMALL = transformer_shape(1000, 2, 2, 64, 128, 4)  # largest local shard far below 2**24
+NLLB_LIKE = transformer_shape(256_206, 12, 12, 1024, 4096, 16)  # the 600M shape, closed form
+
+
+@pytest.mark.parametrize(("flags", "state_bytes"), [
+    ([], 16), (["--fp16"], 16), (["--bf16"], 16), (["--fp16", "--fp16-adam-stats"], 12),
+    (["--memory-efficient-fp16"], 12), (["--memory-efficient-bf16"], 12),
+    (["--memory-efficient-fp16", "--fp16-adam-stats"], 8),
+    (["--optimizer", "sgd", "--fp16"], 8), (["--optimizer", "sgd", "--memory-efficient-fp16"], 4),
+    (["--optimizer", "sgd", "--fp16-adam-stats"], 8),  # no moments to keep in fp16
+])
+def test_model_state_bytes_per_parameter(flags: list[str], state_bytes: int) -> None:
+    """The flags' model state per parameter (all ranks), and a rank's 1/N of it: parameter
+    and optimizer shards resident, gradient shards once backward has made them."""
+    setup = replace(setup_from(parse(flags)), world_size=4)
+    assert setup.state_bytes == state_bytes
+    result = estimate(NLLB_LIKE, setup)
+    resident = result.params + result.optimizer + result.step_grads
+    assert resident == pytest.approx(state_bytes * NLLB_LIKE.parameters / 4)
+    assert result.params == result.step_grads == pytest.approx(
+        setup.param_bytes * NLLB_LIKE.parameters / 4)
+    offloaded = estimate(NLLB_LIKE, replace(setup, cpu_offload=True))
+    assert offloaded.host == pytest.approx(resident)
+    assert offloaded.params == offloaded.optimizer == offloaded.step_grads == 0
+
+
+def test_the_16_bit_optimizer_step_holds_fp32_copies_of_one_chunk() -> None:
+    """fp32 state: one fp32 temporary of the largest local shard; 16-bit parameters or
+    moments: fp32 parameter, gradient and both moments of one chunk of at most 2**24
+    elements, on the host with --cpu-offload."""
+    for shape in (SMALL, NLLB_LIKE):
+        fp32 = TrainingSetup(world_size=2, precision="fp16")
+        local = largest_local_elements(shape, fp32)
+        assert local == max(shape.vocabulary_unit_parameters, shape.decoder_layer_parameters) / 2
+        for setup, temporary in (
+            (fp32, 4 * local),
+            (replace(fp32, params_in_16_bit=True), 16 * min(CHUNK_ELEMENTS, local)),
+            (replace(fp32, fp16_adam_stats=True), 16 * min(CHUNK_ELEMENTS, local)),
+            (replace(fp32, params_in_16_bit=True, optimizer="sgd"),
+             8 * min(CHUNK_ELEMENTS, local)),
+        ):
+            result = estimate(shape, setup)
+            state = result.params + result.optimizer + result.step_grads + result.buffers
+            assert result.phases["optimizer step"] == pytest.approx(state + temporary)
+            offloaded = estimate(shape, replace(setup, cpu_offload=True))
+            assert offloaded.host_step == pytest.approx(temporary)
+            assert offloaded.phases["optimizer step"] == pytest.approx(result.buffers)
+    # the 600M shape's chunk is capped, the small one's is its whole shard
+    assert largest_local_elements(NLLB_LIKE, fp32) > CHUNK_ELEMENTS > largest_local_elements(
+        SMALL, fp32)
+
+
+def test_16_bit_gradient_shards_are_cast_after_an_fp32_reduction() -> None:
+    """The reduce-scatter's 1/N output is cast to the gradient shard's dtype where the
+    reduction's differs: fp32 shards reduced in 16 bits, 16-bit shards reduced in fp32."""
+    base = TrainingSetup(world_size=2, precision="bf16", chunked_loss=True,
+                         checkpoint_activations=True)
+    unit, b = NLLB_LIKE.vocabulary_unit_parameters, 2
+
+    def end_of_backward(**change: bool) -> float:
+        setup = replace(base, **change)
+        result = estimate(NLLB_LIKE, setup)
+        other_grads = setup.param_bytes * (NLLB_LIKE.parameters - unit) / 2
+        state = result.params + result.optimizer + result.buffers + other_grads
+        return result.phases["end of backward"] - state
+
+    for change, reduce, cast in (({}, 4, 0), ({"reduce_in_16_bit": True}, 2, 4),
+                                 ({"params_in_16_bit": True}, 4, 2),
+                                 ({"params_in_16_bit": True, "reduce_in_16_bit": True}, 2, 0)):
+        output = (reduce + cast) * unit / 2
+        assert end_of_backward(**change) == pytest.approx(
+            max(3 * b * unit, b * unit + reduce * unit + max(b * unit, output)))
+
+
+def test_host_memory_of_each_case_on_gpu_ranks() -> None:
+    """Building the model: 4 B x P per rank; a step: nothing (state on the device) or, with
+    --cpu-offload, the state and the optimizer step's transient; a full save: P x (param +
+    optimizer bytes) on rank 0; a sharded save: one unit's local shards; a load: the file
+    once per host (page cache) and each rank's 1/N of it."""
+    p, n, ranks = NLLB_LIKE.parameters, 2, 8
+    host = HostSetup(ranks_per_node=ranks)
+    for setup in (TrainingSetup(world_size=n, precision="fp16"),
+                  TrainingSetup(world_size=n, precision="fp16", params_in_16_bit=True,
+                                fp16_adam_stats=True)):
+        saved = setup.param_bytes + setup.optimizer_bytes
+        local = largest_local_elements(NLLB_LIKE, setup)
+        cases = host_memory(NLLB_LIKE, setup, host)
+        assert tuple(cases) == HOST_CASES
+        expected = {"model construction": (4 * p, ranks * 4 * p),
+                    "training step": (0, 0),
+                    "save, full format": (saved * p, saved * p),
+                    "save, sharded format": (saved * local, ranks * saved * local),
+                    "load of a full checkpoint": (4 * p / n, 4 * p + ranks * 4 * p / n)}
+        for name, (per_rank, per_host) in expected.items():
+            assert cases[name].per_rank == pytest.approx(per_rank), name
+            assert cases[name].per_host == pytest.approx(per_host), name
+
+        offload = replace(setup, cpu_offload=True)
+        state = setup.state_bytes * p / n
+        step = state + estimate(NLLB_LIKE, offload).host_step
+        cases = host_memory(NLLB_LIKE, offload, replace(host, checkpoint_file_bytes=GIB))
+        assert cases["training step"].per_rank == pytest.approx(step)
+        assert cases["training step"].per_host == pytest.approx(ranks * step)
+        assert cases["save, full format"].per_rank == pytest.approx(state + saved * p)
+        assert cases["save, full format"].per_host == pytest.approx(ranks * state + saved * p)
+        assert cases["load of a full checkpoint"].per_host == pytest.approx(
+            GIB + ranks * (state + GIB / n))
+    fp32_sharded = host_memory(NLLB_LIKE, TrainingSetup(world_size=n), host)
+    assert fp32_sharded["save, full format"].per_rank == 12 * p  # fp32 params and moments
+
+
+def test_host_memory_on_cpu_ranks_is_the_device_memory() -> None:
+    setup = TrainingSetup(world_size=2, tokens=512, precision="bf16")
+    host = HostSetup(ranks_per_node=2, cpu=True)
+    result = estimate(SMALL, setup)
+    cases = host_memory(SMALL, setup, host)
+    assert cases["training step"].per_rank == result.peak
+    resident = result.params + result.optimizer + result.step_grads + result.buffers
+    assert cases["save, full format"].per_rank == pytest.approx(
+        resident + 12 * SMALL.parameters)
+    name, peak = training_host_peak(cases, "full")
+    assert name == "training step" and peak.per_rank == result.peak
+    name, peak = training_host_peak(host_memory(
+        NLLB_LIKE, TrainingSetup(world_size=2), HostSetup(ranks_per_node=2)), "sharded")
+    assert name == "model construction" and peak.per_rank == 4 * NLLB_LIKE.parameters
+
+
+def test_the_host_peak_is_predicted_in_one_line_and_warned_of_against_ram() -> None:
+    flags = [*TINY, "--vocab", "1000", "--world-size", "2", "--max-tokens", "256",
+             "--memory-efficient-fp16", "--fp16-adam-stats", "--cpu-offload"]
+    prediction = predict(RunDescription(flags, SMALL), ranks_on_node=4)
+    assert "--ranks-per-node 4" in prediction.command
+    assert "--fp16-adam-stats" in prediction.command
+    peak = prediction.host["peak"]
+    assert peak["case"] == "save, full format"  # rank 0 gathers 2 + 4 B per parameter
+    assert prediction.host_peak_bytes == pytest.approx(peak["per_rank_gib"] * GIB)
+    text = prediction.host_text()
+    assert text.startswith("predicted host peak: ") and "a full-format save" in text
+    assert "for this node's 4 ranks together" in text and "\n" not in text
+    cpu = predict(RunDescription(flags, SMALL), cpu=True)
+    assert cpu.command.endswith(" --cpu") and "CPU ranks" in cpu.host_text()
+
+    assert host_memory_warning(GIB, ranks_on_node=4, ram_bytes=8 * GIB) is None
+    warning = host_memory_warning(3 * GIB, ranks_on_node=4, ram_bytes=8 * GIB)
+    assert warning.startswith("the predicted host peak, 3.00 GiB per rank, exceeds 2.00 GiB, "
+                              "this machine's 8.00 GiB of RAM over 4 ranks: ")
+    assert "--checkpoint-format sharded" in warning and "\n" not in warning
+    assert host_memory_warning(None) is None
+    assert host_memory_warning(1.0) is None  # this machine has more than a byte per rank
+
+
+def test_the_cli_reports_16_bit_state_and_host_memory(capsys: pytest.CaptureFixture) -> None:
+    """fairseq-shard-estimate's JSON and table, in this process (the tiny model)."""
+    flags = [*TINY, "--vocab", "1000", "--max-tokens", "256", "--world-size", "2",
+             "--memory-efficient-fp16", "--fp16-adam-stats", "--cpu-offload",
+             "--ranks-per-node", "4", "--checkpoint-format", "sharded",
+             "--checkpoint-file-gib", "0.5"]
+    estimate_main([*flags, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["setup"]["params_in_16_bit"] and report["setup"]["fp16_adam_stats"]
+    parameters = report["model"]["parameters"]
+    requested = report["configurations"]["requested"]
+    assert requested["host_gib"] == pytest.approx(8 * parameters / 2 / GIB)
+    host = report["host"]
+    assert (host["ranks_per_node"], host["cpu"], host["checkpoint_format"]) == (4, False,
+                                                                               "sharded")
+    assert set(host["cases"]) == set(HOST_CASES)
+    load = host["cases"]["load of a full checkpoint"]
+    assert load["per_host_gib"] == pytest.approx(0.5 + 4 * load["per_rank_gib"])
+    assert host["peak"]["case"] in ("model construction", "training step",
+                                    "save, sharded format")
+    estimate_main(flags)
+    out = capsys.readouterr().out
+    assert "16-bit parameter and gradient shards, adam with fp16 moments (8 B per parameter" \
+        in out
+    for label in ("Host GiB, this run", "per host (4 ranks)", *HOST_CASES,
+                  "peak (sharded saves)", "GPU ranks"):
+        assert label in out, label

@@ -18,6 +18,7 @@ from fairseq_shard_plugin.memory.estimate import (
     EstimateError,
     fits_line,
     helps_most_line,
+    host_table,
     run,
     table,
 )
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"The training command as the estimator's flags: {shlex.join([PROG, *flags])}")
     print(f"{shape['parameters'] / 1e6:.1f}M parameters (vocabulary unit "
           f"{shape['vocabulary_unit_parameters'] / 1e6:.1f}M), {setup['tokens']} tokens per "
-          f"rank, {setup['precision']} compute, fp32 master shards, {setup['optimizer']}")
+          f"rank, {setup['precision']} compute, {TrainingSetup(**setup).state_description()}")
     print(table(estimates, TrainingSetup(**setup)))
     print(helps_most_line(report))
     if report["fits"]:
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Faster at no memory cost: {report['free_speedup']['flag']} (the vocabulary "
               "unit gathered once per step, not at each use); the peak stays "
               f"{report['free_speedup']['peak_gib']:.2f} GiB per rank.")
+    print(host_table(report["host"]))
 
 
 if __name__ == "__main__":

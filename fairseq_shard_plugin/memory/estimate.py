@@ -20,7 +20,9 @@ from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.memory.estimate_config import defaults_from_hydra_config
 from fairseq_shard_plugin.memory.model import (
     GIB,
+    HOST_CASES,
     Estimate,
+    HostSetup,
     ModelShape,
     TrainingSetup,
     comparison,
@@ -28,7 +30,9 @@ from fairseq_shard_plugin.memory.model import (
     estimate,
     fits_most_with,
     helps_most,
+    host_memory,
     largest_tokens,
+    training_host_peak,
 )
 from fairseq_shard_plugin.sharding.settings import precision_name
 
@@ -78,9 +82,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-sentence", type=int, default=64,
                    help="sentence length (attention memory grows with it)")
     precision = p.add_mutually_exclusive_group()
-    for flag in ("fp16", "bf16", "memory-efficient-fp16", "memory-efficient-bf16"):
-        precision.add_argument("--" + flag, action="store_true")
+    for flag in ("fp16", "bf16"):
+        precision.add_argument("--" + flag, action="store_true",
+                               help="16-bit compute, fp32 master and gradient shards")
+    for flag in ("memory-efficient-fp16", "memory-efficient-bf16"):
+        precision.add_argument("--" + flag, action="store_true",
+                               help="16-bit compute, parameter and gradient shards")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    p.add_argument("--fp16-adam-stats", action="store_true",
+                   help="Adam's two moments in fp16 (fp32 otherwise)")
     p.add_argument("--criterion", choices=CRITERIA, default=STOCK,
                    help=f"{', '.join(LIKE_STOCK)}: modelled as {STOCK} (the same tensors)")
     p.add_argument("--loss-chunk-tokens", type=int, default=1024)
@@ -90,6 +100,15 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--" + flag, action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="fairseq's flag: every unit stays gathered from forward to backward")
+    p.add_argument("--cpu", action="store_true",
+                   help="the ranks run on CPUs: host memory is their device memory")
+    p.add_argument("--ranks-per-node", type=int,
+                   help="ranks sharing one host's memory (default: the world size)")
+    p.add_argument("--checkpoint-format", choices=("full", "sharded"), default="full",
+                   help="the plugin's flag: the format the run saves in (its host peak)")
+    p.add_argument("--checkpoint-file-gib", type=float, metavar="GIB",
+                   help="size of a full checkpoint to load (default: fp32 weights alone, "
+                   "4 B per parameter)")
     p.add_argument("--memory-budget", type=float, metavar="GIB",
                    help="also print the largest --max-tokens whose estimated peak fits in "
                    "GIB per rank (e.g. a GPU's memory less some headroom)")
@@ -113,12 +132,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _check(options: argparse.Namespace) -> None:
     for flag in ("vocab", "world_size", "max_tokens", "tokens_per_sentence",
-                 "loss_chunk_tokens", *SIZE_FLAGS):
+                 "loss_chunk_tokens", "ranks_per_node", *SIZE_FLAGS):
         value = getattr(options, flag)
         if value is not None and value < 1:
             raise EstimateError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
-    if options.memory_budget is not None and not options.memory_budget > 0:
-        raise EstimateError(f"--memory-budget must be above 0 GiB, got {options.memory_budget}")
+    for flag in ("memory_budget", "checkpoint_file_gib"):
+        value = getattr(options, flag)
+        if value is not None and not value > 0:
+            raise EstimateError(f"--{flag.replace('_', '-')} must be above 0 GiB, got {value}")
     if options.vocab < 5:
         raise EstimateError("--vocab must exceed fairseq's 4 special symbols")
 
@@ -136,7 +157,15 @@ def setup_from(options: argparse.Namespace) -> TrainingSetup:
         checkpoint_activations=options.checkpoint_activations, cpu_offload=options.cpu_offload,
         reduce_in_16_bit=options.reduce_in_16_bit,
         reduce_vocabulary_in_16_bit=options.reduce_vocabulary_in_16_bit,
+        params_in_16_bit=options.memory_efficient_fp16 or options.memory_efficient_bf16,
+        fp16_adam_stats=options.fp16_adam_stats,
     )
+
+
+def host_setup_from(options: argparse.Namespace) -> HostSetup:
+    file = options.checkpoint_file_gib
+    return HostSetup(ranks_per_node=options.ranks_per_node or options.world_size,
+                     cpu=options.cpu, checkpoint_file_bytes=None if file is None else file * GIB)
 
 
 def _fairseq_args(options: argparse.Namespace) -> list[str]:
@@ -278,6 +307,46 @@ def table(results: dict[str, Estimate], setup: TrainingSetup) -> str:
     return "\n".join(lines)
 
 
+def host_report(shape: ModelShape, setup: TrainingSetup, options: argparse.Namespace
+                ) -> dict[str, Any]:
+    """Host memory of the requested configuration in each case, GiB per rank and per host,
+    and the peak of a training saving in its ``--checkpoint-format``."""
+    host = host_setup_from(options)
+    cases = host_memory(shape, setup, host)
+    case, peak = training_host_peak(cases, options.checkpoint_format)
+    file = host.checkpoint_file_bytes
+    return {
+        "ranks_per_node": host.ranks_per_node, "cpu": host.cpu,
+        "checkpoint_format": options.checkpoint_format,
+        "checkpoint_file_gib": (4 * shape.parameters if file is None else file) / GIB,
+        "cases": {name: {"per_rank_gib": each.per_rank / GIB,
+                         "per_host_gib": each.per_host / GIB} for name, each in cases.items()},
+        "peak": {"case": case, "per_rank_gib": peak.per_rank / GIB,
+                 "per_host_gib": peak.per_host / GIB},
+    }
+
+
+def host_table(host: dict[str, Any]) -> str:
+    """The host report as a small table, with what it assumes in one line."""
+    per_host = f"per host ({host['ranks_per_node']} ranks)"
+    width = len(per_host) + 2
+    lines = ["Host GiB, this run".ljust(28) + "per rank".rjust(width) + per_host.rjust(width)]
+    rows = [(name, host["cases"][name]) for name in HOST_CASES]
+    rows.append((f"peak ({host['checkpoint_format']} saves)", host["peak"]))
+    for label, each in rows:
+        lines.append(label.ljust(28) + f"{each['per_rank_gib']:{width}.2f}"
+                     + f"{each['per_host_gib']:{width}.2f}")
+    file = f"{host['checkpoint_file_gib']:.2f} GiB"
+    if host["cpu"]:
+        lines.append("(CPU ranks: host memory is the device memory, so the training step is "
+                     f"the peak above; the load counts its {file} file once per host)")
+    else:
+        lines.append("(GPU ranks: each builds the full fp32 model on the host before "
+                     "sharding; a full save gathers on rank 0; the load counts its "
+                     f"{file} file once per host, mapped; --cpu for CPU ranks)")
+    return "\n".join(lines)
+
+
 def run(argv: list[str] | None = None, shape: ModelShape | None = None) -> dict[str, Any]:
     """Parse ``argv`` and return the estimate as a JSON-ready dict; ``shape``, where given
     (a model already built), replaces the model ``argv`` describes."""
@@ -296,6 +365,7 @@ def run(argv: list[str] | None = None, shape: ModelShape | None = None) -> dict[
     return {
         "model": asdict(shape), "setup": asdict(setup),
         "configurations": {name: est.gib() for name, est in results.items()},
+        "host": host_report(shape, setup, options),
         "helps_most": None if best is None else {
             "feature": best[0], "flag": best[1], "saves_gib": best[2] / GIB,
             "peak_gib": (results["requested"].peak - best[2]) / GIB},

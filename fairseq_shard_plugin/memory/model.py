@@ -3,13 +3,18 @@
 The model follows how the plugin holds memory (see ``precision.py``, ``engines/fsdp2.py``,
 ``chunked_cross_entropy.py``) and what torch FSDP2 allocates:
 
-- resident: fp32 master shards (4 B/N per parameter), Adam's two fp32 moments (8 B/N),
-  after backward the fp32 gradient shards (4 B/N); no persistent 16-bit copy;
+- resident: the parameter shards, Adam's two moments and, after backward, the gradient
+  shards, per parameter / N (:attr:`TrainingSetup.state_bytes`): fp32 master and gradient
+  shards (4 + 4 B) with ``--fp16``/``--bf16`` or fp32 training, 16-bit ones (2 + 2 B) with
+  ``--memory-efficient-fp16``/``-bf16``; fp32 moments (4 + 4 B), fp16 ones with
+  ``--fp16-adam-stats`` (2 + 2 B): 16, 12 or 8 B per parameter; no persistent 16-bit copy
+  of fp32 shards;
 - a unit in use is all-gathered into a compute-dtype copy (b bytes per parameter); a root
   kept gathered (stock fairseq's policy) holds the whole model from forward to the end of
   backward; in backward each unit's unsharded gradient (b bytes) is copied into a
   reduce-scatter input of the reduce dtype (fp32 unless ``--reduce-in-16-bit``) before
-  its 1/N slice is kept (on CPU, torch's ``_chunk_cat`` first concatenates the gradient in
+  its 1/N slice is kept, cast to the gradient shard's dtype where that differs (on CPU,
+  torch's ``_chunk_cat`` first concatenates the gradient in
   b bytes, one more unit-sized temporary); the tied vocabulary unit is used last by the
   encoder's embedding, so its gradient (its three uses summed in place by autograd) is
   reduced at the very end of backward;
@@ -20,7 +25,18 @@ The model follows how the plugin holds memory (see ``precision.py``, ``engines/f
   (the attention there runs torch's math path, which keeps fp32 attention probabilities,
   their dropout noise and the dropped probabilities: 12 B per head and source token in
   the encoder, 20 B over the decoder's two attentions); with activation checkpointing only
-  each layer's input is kept, plus one layer's activations while it is recomputed.
+  each layer's input is kept, plus one layer's activations while it is recomputed;
+- the optimizer step's transient (:func:`optimizer_step_temporary`): one fp32 tensor of the
+  largest local shard, or with 16-bit parameters or moments fp32 copies of one chunk of at
+  most 2**24 elements; on the host with ``--cpu-offload``.
+
+An all-gather of fp32 shards first casts the rank's shard to the compute dtype (1/N of the
+unit, freed once the gather's output is filled); with 16-bit shards no cast is needed. That
+copy is short-lived and falls at none of the moments below, so it is not counted either way.
+
+Host memory (:func:`host_memory`) is modelled per case, one function each: building the
+model, the training step, a save in either checkpoint format and the load of a full
+checkpoint; per rank and per host (a node's ranks together).
 
 The peak is the largest of a few moments of the step; each is a sum of the tensors live
 then, as the CPU allocator's events show them (``allocator_meter.AllocatorMeter``). The
@@ -83,10 +99,49 @@ class TrainingSetup:
     cpu_offload: bool = False
     reduce_in_16_bit: bool = False
     reduce_vocabulary_in_16_bit: bool = False  # only the vocabulary unit (per-layer plans)
+    # --memory-efficient-fp16/-bf16: parameter and gradient shards in the compute dtype
+    params_in_16_bit: bool = False
+    fp16_adam_stats: bool = False  # --fp16-adam-stats: Adam's two moments in fp16
 
     @property
     def compute_bytes(self) -> int:
         return 4 if self.precision == "fp32" else 2
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per element of a parameter shard, and of its gradient shard."""
+        return self.compute_bytes if self.params_in_16_bit else 4
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Optimizer state per parameter: Adam's two moments (fp32, or fp16 with
+        ``--fp16-adam-stats``); none for SGD."""
+        if self.optimizer != "adam":
+            return 0
+        return 2 * (2 if self.fp16_adam_stats else 4)
+
+    @property
+    def state_bytes(self) -> int:
+        """Model state per parameter, all ranks together: parameter, gradient and optimizer
+        state; a rank holds 1/N of it. Adam: fp32 or ``--fp16`` 16, ``--fp16
+        --fp16-adam-stats`` 12, ``--memory-efficient-fp16`` 12, with ``--fp16-adam-stats`` 8."""
+        return 2 * self.param_bytes + self.optimizer_bytes
+
+    @property
+    def sixteen_bit_state(self) -> bool:
+        """Parameters or Adam's moments kept in 16 bits (the chunked optimizer step)."""
+        return self.param_bytes < 4 or (self.optimizer == "adam" and self.fp16_adam_stats)
+
+    def state_description(self) -> str:
+        """The model state in words, e.g. ``16-bit parameter and gradient shards, adam
+        with fp16 moments (8 B per parameter / N)``."""
+        shards = ("16-bit parameter and gradient shards" if self.param_bytes < 4
+                  else "fp32 master and gradient shards")
+        moments = ""
+        if self.optimizer == "adam":
+            moments = " with fp16 moments" if self.fp16_adam_stats else " with fp32 moments"
+        return (f"{shards}, {self.optimizer}{moments} ({self.state_bytes} B per parameter "
+                f"/ {self.world_size})")
 
     @property
     def reduce_bytes(self) -> int:
@@ -134,10 +189,11 @@ class Estimate:
     host: float  # model state kept on the host (--cpu-offload), not in ``peak``
     phases: dict[str, float]
     step_grads: float  # the gradient shards once backward has ended (``grads``: at the peak)
+    host_step: float = 0.0  # the optimizer step's transient on the host (--cpu-offload)
 
     def gib(self) -> dict[str, float | str | dict]:
         fields = ("params", "grads", "optimizer", "buffers", "activations", "temporaries",
-                  "peak", "host", "step_grads")
+                  "peak", "host", "step_grads", "host_step")
         out: dict = {f"{name}_gib": getattr(self, name) / GIB for name in fields}
         out["peak_phase"] = self.peak_phase
         out["phases_gib"] = {name: value / GIB for name, value in self.phases.items()}
@@ -180,26 +236,55 @@ def activation_bytes(shape: ModelShape, setup: TrainingSetup) -> tuple[float, fl
     return tokens * (layers + outside), 0.0
 
 
+CHUNK_ELEMENTS = 2**24  # the 16-bit optimizer step's chunk, in elements
+
+
+def largest_local_elements(shape: ModelShape, setup: TrainingSetup) -> float:
+    """Elements of the largest unit's shard on one rank (the whole model's, root only)."""
+    unit = shape.parameters if setup.root_unit_only else shape.largest_unit
+    return unit / setup.world_size
+
+
+def optimizer_step_temporary(shape: ModelShape, setup: TrainingSetup) -> float:
+    """Bytes the optimizer step allocates on top of the model state (on the host with
+    ``--cpu-offload``).
+
+    fp32 state: one fp32 temporary of the largest local shard (Adam's denominator, or the
+    squared gradient of the norm). 16-bit parameters or moments: the step runs over chunks
+    of at most 2**24 elements, holding fp32 copies of one chunk's parameter, gradient and,
+    for Adam, both moments: 16 B (SGD: 8 B) x min(2**24, largest local shard).
+    """
+    local = largest_local_elements(shape, setup)
+    if not setup.sixteen_bit_state:
+        return 4 * local
+    copies = 4 if setup.optimizer == "adam" else 2
+    return 4 * copies * min(CHUNK_ELEMENTS, local)
+
+
 def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
     """Per-rank peak memory of one training step (after the first: Adam's state exists)."""
     n, b, r = setup.world_size, setup.compute_bytes, setup.reduce_bytes
+    g = setup.param_bytes  # the parameter and gradient shards' dtype
     rv = setup.vocabulary_reduce_bytes  # the vocabulary unit's reduce dtype
 
     def reduce_scatter(unit: int, bytes_: int) -> float:
         """Peak of one unit's reduce-scatter, its unsharded gradient (b bytes) alive
         throughout: copied into the reduce buffer (torch's CPU ``_chunk_cat`` first builds a
-        concatenated copy in b bytes), then the 1/N output (cast to the fp32 shard when
-        reduced in 16 bits)."""
-        output = bytes_ * unit / n + (4 * unit / n if bytes_ < 4 else 0)
+        concatenated copy in b bytes), then the 1/N output (cast to the gradient shard's
+        dtype where the reduction's differs: fp32 shards reduced in 16 bits, 16-bit shards
+        reduced in fp32)."""
+        output = bytes_ * unit / n + (g * unit / n if bytes_ != g else 0)
         return b * unit + bytes_ * unit + max(b * unit, output)
 
     p, tokens, vocab, d = shape.parameters, setup.tokens, shape.vocabulary, shape.decoder_dim
-    params, grads = 4 * p / n, 4 * p / n
-    optimizer = 8 * p / n if setup.optimizer == "adam" else 0.0
+    params, grads = g * p / n, g * p / n
+    optimizer = setup.optimizer_bytes * p / n
     buffers = shape.buffer_elements * b
-    host = 0.0
-    if setup.cpu_offload:  # shards, their gradients and Adam's state stay on the host
+    host, step_temporary, host_step = 0.0, optimizer_step_temporary(shape, setup), 0.0
+    if setup.cpu_offload:  # shards, their gradients and Adam's state stay on the host, and
+        # the optimizer steps there
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
+        step_temporary, host_step = 0.0, step_temporary
 
     per_layer_units = not setup.root_unit_only
     vocab_unit = shape.vocabulary_unit_parameters if per_layer_units else p
@@ -247,7 +332,7 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
         # reduced at the end of backward, after every other unit's: at the encoder
         # embedding's backward the gathered copy, the gradient summed so far and the one
         # being added to it (in place) are live; then the unit's reduce-scatter
-        other_grads = max(grads - 4 * vocab_unit / n, 0.0)  # none on the device if offloaded
+        other_grads = max(grads - g * vocab_unit / n, 0.0)  # none on the device if offloaded
         moments["end of backward"] = dict(
             state, grads=other_grads,
             temporaries=max(3 * b * vocab_unit, reduce_scatter(vocab_unit, rv)))
@@ -270,17 +355,14 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
         # one reduce-scatter of everything (whose input gradient is already counted above)
         moments["end of backward"] = dict(
             state, temporaries=max(2 * b * p, reduce_scatter(p, r) - b * p))
-    # optimizer: every gradient, one fp32 temporary of the largest shard (Adam's denominator
-    # or the squared gradient of the norm)
-    largest_shard = 4 * (shape.largest_unit if per_layer_units else p) / n
-    moments["optimizer step"] = dict(
-        state, grads=grads, temporaries=0.0 if setup.cpu_offload else largest_shard)
+    # optimizer: every gradient, and the step's transient (none here if offloaded)
+    moments["optimizer step"] = dict(state, grads=grads, temporaries=step_temporary)
     phases = {name: sum(parts.values()) for name, parts in moments.items()}
     peak_phase = max(phases, key=phases.__getitem__)
     at_peak = moments[peak_phase]
     return Estimate(params, at_peak.get("grads", 0.0), optimizer, buffers,
                     at_peak.get("activations", 0.0), at_peak["temporaries"], phases[peak_phase],
-                    peak_phase, host, phases, grads)
+                    peak_phase, host, phases, grads, host_step)
 
 
 def comparison_setups(setup: TrainingSetup) -> dict[str, TrainingSetup]:
@@ -353,3 +435,112 @@ def fits_most_with(shape: ModelShape, setup: TrainingSetup,
         if tokens > base and (best is None or tokens > best[2]):
             best = (name, flag, tokens)
     return best
+
+
+# Host memory: what a node's RAM must hold besides (or, on CPU ranks, as) the device's.
+
+
+@dataclass(frozen=True)
+class HostSetup:
+    """What decides host memory besides the training setup."""
+
+    ranks_per_node: int  # ranks sharing one host's memory
+    cpu: bool = False  # the ranks compute on the host (--cpu): its memory is the device's
+    checkpoint_file_bytes: float | None = None  # a full checkpoint to load (None: 4 B/param)
+
+
+@dataclass(frozen=True)
+class HostPeak:
+    """Host bytes of one case: the largest rank's own (rank 0's for a full save), and a
+    node's ranks together with what they share counted once."""
+
+    per_rank: float
+    per_host: float
+
+
+def construction_host(shape: ModelShape, host: HostSetup) -> HostPeak:
+    """Building the model: each rank builds the whole fp32 model on the host before
+    sharding it, 4 B x all parameters per rank, all ranks of a node at once."""
+    per_rank = 4.0 * shape.parameters
+    return HostPeak(per_rank, host.ranks_per_node * per_rank)
+
+
+def resident_host(result: Estimate, host: HostSetup) -> float:
+    """Model state a rank keeps on the host between steps: on CPU ranks all of it (parameter,
+    gradient and optimizer shards, buffers); with ``--cpu-offload`` on GPUs the offloaded
+    shards (:attr:`Estimate.host`); on GPUs otherwise none."""
+    if host.cpu:
+        return (result.params + result.step_grads + result.optimizer + result.buffers
+                + result.host)
+    return result.host
+
+
+def training_step_host(result: Estimate, host: HostSetup) -> HostPeak:
+    """The training step: on CPU ranks the host is the device, so the step's peak itself
+    (plus, offloaded, the state and the optimizer step's transient); on GPUs with
+    ``--cpu-offload`` the offloaded state plus that transient; on GPUs otherwise none."""
+    if host.cpu:
+        step = max(result.peak, result.phases["optimizer step"] + result.host_step)
+        per_rank = step + result.host
+    else:
+        per_rank = result.host + result.host_step
+    return HostPeak(per_rank, host.ranks_per_node * per_rank)
+
+
+def full_save_host(shape: ModelShape, setup: TrainingSetup, result: Estimate,
+                   host: HostSetup) -> HostPeak:
+    """A save in the full format: the whole model and its optimizer state are gathered into
+    rank 0's host memory, P x (parameter bytes + optimizer bytes) (the model state's bytes
+    less the gradients), on top of rank 0's own host state; the other ranks hold their own."""
+    gathered = shape.parameters * (setup.param_bytes + setup.optimizer_bytes)
+    resident = resident_host(result, host)
+    return HostPeak(resident + gathered, host.ranks_per_node * resident + gathered)
+
+
+def sharded_save_host(shape: ModelShape, setup: TrainingSetup, result: Estimate,
+                      host: HostSetup) -> HostPeak:
+    """A save in the sharded format: each rank writes its own shards, staging about one unit
+    of them at a time (its shard of the largest unit's parameters and optimizer state), on
+    top of its own host state."""
+    staged = largest_local_elements(shape, setup) * (setup.param_bytes + setup.optimizer_bytes)
+    per_rank = resident_host(result, host) + staged
+    return HostPeak(per_rank, host.ranks_per_node * per_rank)
+
+
+def full_load_host(shape: ModelShape, setup: TrainingSetup, result: Estimate,
+                   host: HostSetup) -> HostPeak:
+    """Loading a full checkpoint (released weights; 4 B x parameters unless its size is
+    given): ``torch.load`` maps the file, so its pages sit in the page cache once per host,
+    shared by its ranks; each rank copies out its own shard (file / N) on top of its own
+    host state."""
+    file = host.checkpoint_file_bytes
+    file = 4.0 * shape.parameters if file is None else file
+    per_rank = resident_host(result, host) + file / setup.world_size
+    return HostPeak(per_rank, file + host.ranks_per_node * per_rank)
+
+
+HOST_CASES = ("model construction", "training step", "save, full format",
+              "save, sharded format", "load of a full checkpoint")
+
+
+def host_memory(shape: ModelShape, setup: TrainingSetup, host: HostSetup
+                ) -> dict[str, HostPeak]:
+    """Host memory of each case of :data:`HOST_CASES`."""
+    result = estimate(shape, setup)
+    return {
+        "model construction": construction_host(shape, host),
+        "training step": training_step_host(result, host),
+        "save, full format": full_save_host(shape, setup, result, host),
+        "save, sharded format": sharded_save_host(shape, setup, result, host),
+        "load of a full checkpoint": full_load_host(shape, setup, result, host),
+    }
+
+
+def training_host_peak(cases: dict[str, HostPeak], checkpoint_format: str = "full"
+                       ) -> tuple[str, HostPeak]:
+    """The largest host need of a training that saves in ``checkpoint_format``, over
+    building the model, its steps and its saves (a load only where it resumes, so not
+    counted): (the case of the largest per rank, that per rank and the largest per host)."""
+    names = ("model construction", "training step", f"save, {checkpoint_format} format")
+    name = max(names, key=lambda each: cases[each].per_rank)
+    return name, HostPeak(cases[name].per_rank, max(cases[each].per_host for each in names))

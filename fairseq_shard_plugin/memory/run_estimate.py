@@ -1,14 +1,16 @@
 """What ``fairseq-shard-estimate`` predicts for the run in progress.
 
 The trainer logs the predicted peak before the first step (on a GPU, with a warning when it
-exceeds the device), and a step that runs out of memory quotes the prediction with a command
-the user can rerun with other settings. The estimator's flags are read from the run's own
-configuration, so the command printed is the run as configured.
+exceeds the device) and the predicted host peak (:func:`host_memory_warning` compares that
+with the machine's memory), and a step that runs out of memory quotes the prediction with a
+command the user can rerun with other settings. The estimator's flags are read from the
+run's own configuration, so the command printed is the run as configured.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,7 @@ from fairseq_shard_plugin.memory.estimate import (
 from fairseq_shard_plugin.memory.estimate import run as run_estimator
 from fairseq_shard_plugin.memory.model import GIB, ModelShape
 from fairseq_shard_plugin.sharding.options import sharding_options
+from fairseq_shard_plugin.sharding.settings import ranks_per_node
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,11 @@ PLUGIN_FLAGS = ("root_unit_only", "keep_root_gathered", "keep_vocabulary_gathere
 # Share of a GPU's memory the estimate may fill: the rest is the CUDA context, the caching
 # allocator's fragmentation and what the estimate leaves out.
 DEVICE_HEADROOM = 0.9
+# the host's peak case in the predicted host peak line
+HOST_CASE_WORDS = {"model construction": "building the model (the full fp32 model on each rank)",
+                   "training step": "the training step",
+                   "save, full format": "a full-format save (gathered on rank 0)",
+                   "save, sharded format": "a sharded save"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,24 @@ class Prediction:
     budget_gib: float | None = None
     max_tokens: int | None = None  # within the budget
     most_with: dict | None = None  # the feature that fits the most tokens, and how many
+    host: dict | None = None  # the estimator's host report (per case, and the peak)
+
+    @property
+    def host_peak_bytes(self) -> float | None:
+        """Predicted host peak per rank: building the model, a step or a save."""
+        return None if self.host is None else self.host["peak"]["per_rank_gib"] * GIB
+
+    def host_text(self) -> str:
+        """The predicted host peak in one line ("" without a host report)."""
+        if self.host is None:
+            return ""
+        peak, ranks = self.host["peak"], self.host["ranks_per_node"]
+        where = HOST_CASE_WORDS.get(peak["case"], peak["case"])
+        text = (f"predicted host peak: {readable(peak['per_rank_gib'] * GIB)} per rank during "
+                f"{where}; at most {readable(peak['per_host_gib'] * GIB)} for this node's "
+                f"{ranks} rank{'s' if ranks != 1 else ''} together")
+        return text + (" (CPU ranks: the host's memory is their device memory)"
+                       if self.host["cpu"] else "")
 
     def fit_text(self) -> str:
         """Which --max-tokens fit within the budget, as a clause ("" without a budget)."""
@@ -132,6 +158,10 @@ def run_description(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> 
         if getattr(cfg.common, name, False):
             flags.append("--" + name.replace("_", "-"))
             break
+    if optimizer == "adam" and getattr(cfg.optimizer, "fp16_adam_stats", False):
+        flags.append("--fp16-adam-stats")
+    if getattr(cfg.common, "cpu", False):
+        flags.append("--cpu")
     if criterion == CHUNKED:
         flags += ["--loss-chunk-tokens", str(cfg.criterion.loss_chunk_tokens)]
     options = sharding_options(cfg.task)
@@ -142,18 +172,26 @@ def run_description(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> 
         flags.append("--cpu-offload")
     if cfg.distributed_training.no_reshard_after_forward:
         flags.append("--no-reshard-after-forward")
+    if options.checkpoint_format != "full":
+        flags += ["--checkpoint-format", str(options.checkpoint_format)]
     return RunDescription(flags, shape)
 
 
 def predict(run: RunDescription | None, tokens_per_sentence: int | None = None,
-            budget_gib: float | None = None) -> Prediction | None:
+            budget_gib: float | None = None, ranks_on_node: int | None = None,
+            cpu: bool = False) -> Prediction | None:
     """The estimator's figures for ``run`` (None: no run described), computed in this
-    process on the run's own model shape (arithmetic only)."""
+    process on the run's own model shape (arithmetic only); ``ranks_on_node`` and ``cpu``
+    (ranks on CPUs) where known, for the host peak."""
     if run is None:
         return None
     flags = list(run.flags)
     if tokens_per_sentence:
         flags += ["--tokens-per-sentence", str(tokens_per_sentence)]
+    if ranks_on_node:
+        flags += ["--ranks-per-node", str(ranks_on_node)]
+    if cpu and "--cpu" not in flags:
+        flags.append("--cpu")
     if budget_gib is not None:
         flags += ["--memory-budget", f"{budget_gib:.2f}"]
     report = run_estimator(flags, run.shape)
@@ -164,7 +202,7 @@ def predict(run: RunDescription | None, tokens_per_sentence: int | None = None,
         peak_phase=requested["peak_phase"], host_gib=requested["host_gib"],
         budget_gib=budget_gib,
         max_tokens=fits.get("max_tokens", {}).get("requested"),
-        most_with=fits.get("most_with"),
+        most_with=fits.get("most_with"), host=report["host"],
     )
 
 
@@ -204,18 +242,21 @@ def mean_sentence_tokens(task: Any, subsets: str) -> int | None:
 
 
 def log_predicted_peak(run: RunDescription | None, device: torch.device, task: Any = None,
-                       valid_subsets: str = "") -> None:
+                       valid_subsets: str = "") -> Prediction | None:
     """Before the first step: the predicted peak, and a warning where it will not fit; at
-    the mean sentence length of the loaded validation data (the estimator's 64 without)."""
+    the mean sentence length of the loaded validation data (the estimator's 64 without);
+    then the predicted host peak. Returns the prediction (None: none made), whose
+    ``host_peak_bytes`` :func:`host_memory_warning` takes."""
     try:
         sentence_tokens = mean_sentence_tokens(task, valid_subsets)
         budget = device_budget_gib(device)
-        prediction = predict(run, sentence_tokens, budget_gib=budget)
+        prediction = predict(run, sentence_tokens, budget_gib=budget,
+                             ranks_on_node=ranks_per_node(), cpu=device.type == "cpu")
     except Exception as error:  # noqa: BLE001 (a notice, never a reason to stop training)
         logger.info(f"no memory prediction for this run: {error}")
-        return
+        return None
     if prediction is None:  # describe_run logged why
-        return
+        return None
     sentences = (f"sentences of {sentence_tokens} tokens as in the validation data"
                  if sentence_tokens else "sentences of 64 tokens")
     host = (f" on the device, {readable(prediction.host_gib * GIB)} of model state on the host"
@@ -226,6 +267,38 @@ def log_predicted_peak(run: RunDescription | None, device: torch.device, task: A
     if budget is not None and prediction.peak_gib > budget:
         logger.warning(f"the predicted peak exceeds {budget:.1f} GiB, {DEVICE_HEADROOM:.0%} "
                        f"of this GPU's memory: {prediction.fit_text()}")
+    logger.info(prediction.host_text())
+    return prediction
+
+
+def host_ram_bytes() -> int | None:
+    """This machine's physical memory, or None where the system does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def host_memory_warning(predicted_host_peak_bytes: float | None,
+                        ranks_on_node: int | None = None,
+                        ram_bytes: float | None = None) -> str | None:
+    """A one-line warning where the predicted host peak per rank exceeds a rank's share of
+    this machine's RAM (``ram_bytes``, default physical memory, over ``ranks_on_node``,
+    default the launcher's ranks per node, else 1), saying what to change; None where it
+    fits or nothing is known."""
+    ram = host_ram_bytes() if ram_bytes is None else ram_bytes
+    if predicted_host_peak_bytes is None or not ram:
+        return None
+    ranks = ranks_on_node or ranks_per_node() or 1
+    share = ram / ranks
+    if predicted_host_peak_bytes <= share:
+        return None
+    return (f"the predicted host peak, {readable(predicted_host_peak_bytes)} per rank, exceeds "
+            f"{readable(share)}, this machine's {readable(ram)} of RAM over {ranks} "
+            f"rank{'s' if ranks != 1 else ''}: run fewer ranks per node, save with "
+            "--checkpoint-format sharded (a full save gathers the model on rank 0), keep "
+            "model state in 16 bits (--memory-efficient-fp16 or --memory-efficient-bf16, "
+            f"--fp16-adam-stats) or add swap ({PROG} shows the host memory of each case)")
 
 
 def out_of_memory_clause(run: RunDescription | None, samples: Any,
