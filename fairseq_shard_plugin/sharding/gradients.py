@@ -57,3 +57,18 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], device: torch.device,
     if has_sharded and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sharded)
     return (sharded + replicated).sqrt()
+
+
+def max_over_ranks(device: torch.device) -> Callable[[torch.Tensor], None] | None:
+    """A function replacing a CPU tensor's values by their maxima over all ranks (one
+    all-reduce on ``device``, whose backend needs its tensors there), or None on one rank.
+    Replicas of hybrid sharding hold equal values, so all ranks give the shard groups'."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+
+    def reduce(values: torch.Tensor) -> None:
+        on_device = values.to(device)
+        dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
+        values.copy_(on_device)
+
+    return reduce

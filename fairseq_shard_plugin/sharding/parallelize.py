@@ -40,13 +40,16 @@ def parallelize(model: nn.Module, settings: ShardingSettings) -> ShardedModel:
        gathered parameters after forward (``settings.reshard``).
     3. Precision and sharding, unit by unit and the root last (FSDP requires inner units
        first): gathered copies in the compute dtype, gradients reduced in fp32 unless asked
-       otherwise, fp32 master shards (:mod:`.engines`).
+       otherwise (:mod:`.engines`). The shards are fp32 masters, or under the memory-
+       efficient flags the parameters cast to 16 bits before sharding (no fp32 copy).
     4. Buffers in the compute dtype: FSDP casts parameters, not buffers, and fairseq's
        layers mix them (positions, masks) with 16-bit activations.
     """
     plan = build_plan(model, settings.reshard, settings.root_unit_only)
     description = describe_plan(plan)  # counted before sharding changes the parameters
     engine = build_engine(settings)
+    if settings.sixteen_bit_parameters and settings.compute_dtype is not None:
+        model.to(dtype=settings.compute_dtype)
     module = engine.shard(model, plan)
     if settings.compute_dtype is not None:
         cast_buffers(model, settings.compute_dtype)

@@ -1,14 +1,20 @@
-"""Mixed precision for sharded training: fp32 master shards, 16-bit compute, loss scaling.
+"""Mixed precision for sharded training: 16-bit compute, fp32 or 16-bit shards, loss scaling.
 
-Parameters stay fp32 and sharded: they are the masters, and the optimizer (with its state)
-only ever sees them. FSDP casts the gathered copies to 16 bits for forward and backward
-and reduces gradients in fp32 (16-bit reduction on request). ``--fp16`` and
-``--memory-efficient-fp16`` therefore behave alike here: no persistent 16-bit copy exists.
-Per parameter that is 16 bytes of sharded model state (fp32 master, fp32 gradient, two fp32
-Adam moments), more than fairseq's memory-efficient mode (12: 16-bit parameters and
-gradients, fp32 moments) and than Meta's NLLB recipe with ``--fp16-adam-stats`` (about 8);
-a 16-bit-state mode is not implemented yet. fp16 uses fairseq's dynamic loss scaler with its
-flags; bf16 needs no scaling.
+FSDP casts the gathered copies to the compute dtype for forward and backward and reduces
+gradients in fp32 (16-bit reduction on request). What the shards hold follows fairseq's
+flags (:func:`.settings.sixteen_bit_parameters`):
+
+- ``--fp16``/``--bf16``: fp32 master shards and fp32 gradient shards; no persistent 16-bit
+  copy exists;
+- ``--memory-efficient-fp16/bf16``: the shards themselves are 16-bit (parameters and
+  gradients), updated with fp32 arithmetic (:mod:`.sharded_adam`), as fairseq's
+  memory-efficient optimizers do.
+
+Sharded model state per parameter, divided by the ranks: fp32 or ``--fp16`` 16 bytes
+(parameter, gradient, two Adam moments); ``--memory-efficient-fp16`` 12, as fairseq's;
+with ``--fp16-adam-stats`` (moments in scaled fp16) 8, as Meta's NLLB recipe, or 12 with
+fp32 masters. fp16 uses fairseq's dynamic loss scaler with its flags; bf16 needs no
+scaling.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from fairseq.optim.dynamic_loss_scaler import DynamicLossScaler
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fairseq_shard_plugin.sharding.local_shards import LocalShards
+from fairseq_shard_plugin.sharding.sharded_adam import ShardedAdam, with_fp32_moments
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +73,7 @@ def fp16_loss_scaler(cfg: Any) -> DynamicLossScaler:
 
 
 class ShardedMasterOptimizer(FairseqOptimizer):
-    """Wraps fairseq's optimizer over fp32 master shards with scaling and deferred clipping.
+    """Wraps fairseq's optimizer over the shards with scaling and deferred clipping.
 
     Gradients are never rescaled in place until :meth:`step`: loss scale, fairseq's
     ``multiply_grads`` and clipping accumulate into one factor, applied once. On overflow
@@ -125,6 +132,8 @@ class ShardedMasterOptimizer(FairseqOptimizer):
             self.scaler.loss_scale = loss_scale
         if self.shards is not None:
             state_dict = self.shards.local_state(state_dict, self.optimizer)
+        if not isinstance(self.optimizer, ShardedAdam):  # moments of a --fp16-adam-stats run
+            state_dict = with_fp32_moments(state_dict)
         self.fp32_optimizer.load_state_dict(state_dict, optimizer_overrides)
         self._grad_factor = self._initial_factor()
 
@@ -161,15 +170,21 @@ class ShardedMasterOptimizer(FairseqOptimizer):
             self.zero_grad()
             return
         factor = self._grad_factor / scale
-        if self.shards is not None:
+        if isinstance(self.optimizer, ShardedAdam):  # the factor applied in fp32, in the step
+            if self.shards is not None:
+                self.shards.bind()
+            self.optimizer.step(closure, grad_factor=factor)
+        elif self.shards is not None:
             grads = self.shards.bind()
             if factor != 1.0 and grads:
                 torch._foreach_mul_(grads, factor)
-        elif factor != 1.0:
-            for param in self.params:
-                if param.grad is not None:
-                    param.grad.mul_(factor)
-        self.fp32_optimizer.step(closure, groups=groups)
+            self.fp32_optimizer.step(closure, groups=groups)
+        else:
+            if factor != 1.0:
+                for param in self.params:
+                    if param.grad is not None:
+                        param.grad.mul_(factor)
+            self.fp32_optimizer.step(closure, groups=groups)
         if self.scaler is not None:
             self.scaler.update()
         self._grad_factor = self._initial_factor()

@@ -52,13 +52,19 @@ class ReshardPolicy:
 
 
 def compute_dtype(common_cfg: Any) -> torch.dtype | None:
-    """The 16-bit compute type fairseq's flags ask for, or None for fp32. The masters stay
-    fp32 either way (memory-efficient flags included): FSDP casts the gathered copies."""
+    """The 16-bit compute type fairseq's flags ask for, or None for fp32."""
     if common_cfg.fp16 or common_cfg.memory_efficient_fp16:
         return torch.float16
     if common_cfg.bf16 or common_cfg.memory_efficient_bf16:
         return torch.bfloat16
     return None
+
+
+def sixteen_bit_parameters(common_cfg: Any) -> bool:
+    """Whether the sharded parameters themselves are 16-bit: fairseq's memory-efficient
+    flags, which keep no fp32 copy (16-bit parameters and gradients, fp32 arithmetic in
+    the optimizer step). ``--fp16``/``--bf16`` keep fp32 master shards instead."""
+    return bool(common_cfg.memory_efficient_fp16 or common_cfg.memory_efficient_bf16)
 
 
 def precision_name(common_cfg: Any) -> str:
@@ -120,6 +126,8 @@ class ShardingSettings:
     engine: str = "fsdp2"  # --shard-engine: torch FSDP2 (CPU and CUDA) or fairscale (CUDA)
     device_type: str = "cpu"
     compute_dtype: torch.dtype | None = None  # gathered copies; None: fp32 compute
+    # the shards themselves in compute_dtype (--memory-efficient-fp16/bf16), not fp32 masters
+    sixteen_bit_parameters: bool = False
     # gradients are reduced in fp32 unless asked (--reduce-in-16-bit): sums over ranks of
     # 16-bit gradients lose the small ones
     reduce_in_16_bit: bool = False
@@ -144,6 +152,7 @@ class ShardingSettings:
             engine=options.shard_engine,
             device_type="cuda" if use_cuda else "cpu",
             compute_dtype=compute_dtype(cfg.common),
+            sixteen_bit_parameters=sixteen_bit_parameters(cfg.common),
             reduce_in_16_bit=options.reduce_in_16_bit,
             reduce_vocabulary_in_16_bit=options.reduce_vocabulary_in_16_bit,
             offload=bool(dist_cfg.cpu_offload),

@@ -8,7 +8,6 @@ training loop (batching, logging, validation, checkpoint scheduling) runs unchan
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import logging
 import os
@@ -18,11 +17,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fairseq import optim
 from fairseq.logging import metrics
 from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
-from omegaconf import open_dict
 from torch.distributed.tensor.experimental import implicit_replication
 
 from fairseq_shard_plugin.checkpoint.errors import (
@@ -50,13 +47,10 @@ from fairseq_shard_plugin.memory.run_estimate import (
     out_of_memory_clause,
 )
 from fairseq_shard_plugin.sharding.full_state import loading_full_tensors_into_shards
-from fairseq_shard_plugin.sharding.local_shards import LocalShards
+from fairseq_shard_plugin.sharding.gradients import max_over_ranks
+from fairseq_shard_plugin.sharding.optimizer import build_sharded_optimizer
 from fairseq_shard_plugin.sharding.options import sharding_options
 from fairseq_shard_plugin.sharding.parallelize import parallelize
-from fairseq_shard_plugin.sharding.precision import (
-    ShardedMasterOptimizer,
-    fp16_loss_scaler,
-)
 from fairseq_shard_plugin.sharding.settings import ShardingSettings
 from fairseq_shard_plugin.training import signal_stop
 from fairseq_shard_plugin.training.data_position import convert_position, record_ranks
@@ -217,7 +211,8 @@ class ShardedTrainer(Trainer):
         return True
 
     def _build_optimizer(self) -> None:
-        """fairseq's optimizer over the fp32 master shards, wrapped for scaling and clipping.
+        """fairseq's optimizer over the local shards, wrapped for scaling and clipping
+        (:mod:`..sharding.optimizer`).
 
         Replaces the Trainer's version, whose 16-bit paths build fairseq's FP16 optimizers
         (flat fp32 copies of unsharded parameters) and whose FSDP path needs fairscale.
@@ -226,35 +221,12 @@ class ShardedTrainer(Trainer):
             p for p in chain(self.model.parameters(), self.criterion.parameters())
             if p.requires_grad
         ]
-        # The optimizer updates plain tensors on the local shards (no DTensor dispatch).
-        shards = LocalShards(params)
-        fp32_optimizer = optim.build_optimizer(self._optimizer_config(), shards.locals)
-        if not fp32_optimizer.supports_flat_params:
-            raise ShardingConfigError(
-                f"--optimizer {self.cfg.optimizer._name} is not element-wise, so its sharded "
-                "state would differ from unsharded training: use adam, adamw, sgd, adadelta "
-                "or adamax with --ddp-backend fully_sharded"
-            )
-        scaler = fp16_loss_scaler(self.cfg) if self.compute_dtype == torch.float16 else None
-        self._optimizer = ShardedMasterOptimizer(self.cfg, fp32_optimizer, scaler, shards)
+        self._optimizer = build_sharded_optimizer(self.cfg, params, self.settings,
+                                                  max_over_ranks(self.device))
         self._lr_scheduler = lr_scheduler.build_lr_scheduler(
             self.cfg.lr_scheduler, self._optimizer
         )
         self._lr_scheduler.step_update(0)
-
-    def _optimizer_config(self) -> Any:
-        """fairseq's optimizer config; under ``--cpu-offload`` with Adam, the plain (torch)
-        implementation: fairseq picks apex's FusedAdam whenever CUDA and apex are present,
-        and its kernels need the state on the GPU, while offloaded shards step on the host."""
-        optimizer_cfg = self.cfg.optimizer
-        if not (self.offload and optimizer_cfg.get("use_old_adam") is False):
-            return optimizer_cfg
-        optimizer_cfg = copy.deepcopy(optimizer_cfg)
-        with open_dict(optimizer_cfg):
-            optimizer_cfg.use_old_adam = True
-        logger.info("--cpu-offload: Adam steps on the host with torch's implementation "
-                    "(as --use-old-adam), not apex's FusedAdam, which needs GPU state")
-        return optimizer_cfg
 
     def clip_grad_norm(self, clip_norm: float) -> torch.Tensor:
         stored_norm = self.engine.grad_norm(self._trainable_params(), self.device)

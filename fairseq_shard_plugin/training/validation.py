@@ -47,6 +47,13 @@ def _check_fairseq_features(cfg: Any) -> None:
         )
     if cfg.optimization.use_bmuf:
         raise ShardingConfigError("--use-bmuf cannot be combined with --ddp-backend fully_sharded")
+    if (common.memory_efficient_fp16 or common.memory_efficient_bf16) and (
+            cfg.optimizer._name != "adam"):
+        flag = "fp16" if common.memory_efficient_fp16 else "bf16"
+        raise ShardingConfigError(
+            f"--memory-efficient-{flag} keeps the shards in 16 bits, which only --optimizer "
+            f"adam updates in fp32 under the plugin: use --{flag} (fp32 master shards) with "
+            f"--optimizer {cfg.optimizer._name}")
 
 
 def _check_plugin_options(cfg: Any) -> None:

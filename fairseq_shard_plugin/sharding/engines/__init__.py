@@ -91,6 +91,7 @@ class FairscaleEngine:
         self.settings = FairscaleSettings(
             compute_device=device,
             compute_dtype=settings.compute_dtype,
+            sixteen_bit_parameters=settings.sixteen_bit_parameters,
             reduce_in_16_bit=settings.reduce_in_16_bit,
             checkpoint_activations=settings.checkpoint_activations,
             offload_activations=settings.offload_activations,

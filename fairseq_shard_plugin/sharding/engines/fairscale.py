@@ -46,12 +46,15 @@ class FairscaleSettings:
 
     compute_device: torch.device
     compute_dtype: torch.dtype | None = None  # --fp16/--memory-efficient-fp16 or --bf16
+    sixteen_bit_parameters: bool = False  # --memory-efficient-*: the shards are 16-bit
     reduce_in_16_bit: bool = False  # --reduce-in-16-bit: no fp32_reduce_scatter
     checkpoint_activations: bool = False  # --checkpoint-activations
     offload_activations: bool = False  # --offload-activations
 
     def fsdp_kwargs(self, reshard_after_forward: bool) -> dict[str, Any]:
-        mixed = self.compute_dtype is not None
+        # fp32 shards cast for compute, or (memory-efficient flags) 16-bit shards computed
+        # as they are, whose gradients fairscale can only reduce in their own dtype
+        mixed = self.compute_dtype is not None and not self.sixteen_bit_parameters
         return {
             "reshard_after_forward": reshard_after_forward,
             # fairscale keeps the root gathered unless told otherwise; the plan decides.
@@ -59,7 +62,7 @@ class FairscaleSettings:
             "flatten_parameters": True,
             "mixed_precision": mixed,
             "compute_dtype": self.compute_dtype,
-            # fp32 shards stay the masters; gradients reduce in fp32 unless asked not to.
+            # fp32 shards are the masters; their gradients reduce in fp32 unless asked not to
             "fp32_reduce_scatter": mixed and not self.reduce_in_16_bit,
             "compute_device": self.compute_device,
         }

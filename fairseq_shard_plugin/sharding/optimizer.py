@@ -1,0 +1,87 @@
+"""The sharded run's optimizer: fairseq's, or the plugin's Adam where fairseq has none.
+
+fairseq builds its optimizer from ``--optimizer``; the plugin gives it the plain local
+shards (:mod:`.local_shards`) and wraps it for loss scaling and deferred clipping
+(:class:`.precision.ShardedMasterOptimizer`). For ``--optimizer adam`` the update runs in
+:class:`.sharded_adam.ShardedAdam` instead of fairseq's implementation when
+
+- the parameters are 16-bit (``--memory-efficient-fp16/bf16``): fp32 arithmetic over them,
+  with the loss scale applied in fp32;
+- ``--fp16-adam-stats`` asks for 16-bit moments, which fairseq implements only with apex
+  on CUDA (elsewhere it raises NotImplementedError);
+- ``--cpu-offload`` steps on the host, where torch's fused CPU kernel is the fastest
+  measured (``benchmarks/host_adam.py``); apex's FusedAdam, fairseq's choice whenever CUDA
+  and apex exist, cannot step CPU state at all.
+
+Otherwise fairseq's own optimizer runs unchanged, so fp32-master runs on devices update
+exactly as stock fairseq does.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+from fairseq import optim
+from omegaconf import open_dict
+
+from fairseq_shard_plugin.errors import ShardingConfigError
+from fairseq_shard_plugin.sharding.local_shards import LocalShards
+from fairseq_shard_plugin.sharding.precision import ShardedMasterOptimizer, fp16_loss_scaler
+from fairseq_shard_plugin.sharding.settings import ShardingSettings
+from fairseq_shard_plugin.sharding.sharded_adam import MaxOverRanks, ShardedAdam
+
+logger = logging.getLogger(__name__)
+
+
+def fp16_adam_stats(optimizer_cfg: Any) -> bool:
+    """Whether ``--fp16-adam-stats`` is set (an option of fairseq's Adam only)."""
+    return optimizer_cfg._name == "adam" and bool(optimizer_cfg.get("fp16_adam_stats"))
+
+
+def uses_sharded_adam(optimizer_cfg: Any, settings: ShardingSettings) -> bool:
+    """Whether the update runs in :class:`ShardedAdam` (see the module's docstring)."""
+    return optimizer_cfg._name == "adam" and (
+        settings.sixteen_bit_parameters or settings.offload or fp16_adam_stats(optimizer_cfg))
+
+
+def _fairseq_optimizer_config(optimizer_cfg: Any, own_adam: bool) -> Any:
+    """fairseq's config, with Adam's apex-only choices turned off when the plugin's Adam
+    replaces the update (fairseq would refuse ``--fp16-adam-stats`` without apex)."""
+    if not own_adam:
+        return optimizer_cfg
+    optimizer_cfg = copy.deepcopy(optimizer_cfg)
+    with open_dict(optimizer_cfg):
+        optimizer_cfg.use_old_adam = True
+        optimizer_cfg.fp16_adam_stats = False
+    return optimizer_cfg
+
+
+def build_sharded_optimizer(cfg: Any, params: list[torch.Tensor], settings: ShardingSettings,
+                            max_over_ranks: MaxOverRanks | None) -> ShardedMasterOptimizer:
+    """fairseq's optimizer over the local shards of ``params``, wrapped for scaling and
+    clipping; ``max_over_ranks`` reduces 16-bit moments' scales across ranks."""
+    shards = LocalShards(params)
+    own_adam = uses_sharded_adam(cfg.optimizer, settings)
+    fairseq_optimizer = optim.build_optimizer(
+        _fairseq_optimizer_config(cfg.optimizer, own_adam), shards.locals)
+    if not fairseq_optimizer.supports_flat_params:
+        raise ShardingConfigError(
+            f"--optimizer {cfg.optimizer._name} is not element-wise, so its sharded "
+            "state would differ from unsharded training: use adam, adamw, sgd, adadelta "
+            "or adamax with --ddp-backend fully_sharded"
+        )
+    if own_adam:
+        fp16_moments = fp16_adam_stats(cfg.optimizer)
+        fairseq_optimizer._optimizer = ShardedAdam(
+            shards.locals, **fairseq_optimizer.optimizer_config, fp16_moments=fp16_moments,
+            max_over_ranks=max_over_ranks)
+        logger.info(
+            "Adam steps with the plugin's fused implementation: %s parameters, %s moments%s",
+            "16-bit" if settings.sixteen_bit_parameters else "fp32",
+            "fp16 (scaled)" if fp16_moments else "fp32",
+            ", on the host" if settings.offload else "")
+    scaler = fp16_loss_scaler(cfg) if settings.compute_dtype == torch.float16 else None
+    return ShardedMasterOptimizer(cfg, fairseq_optimizer, scaler, shards)

@@ -1,0 +1,242 @@
+"""Adam over shards of any precision: fp32 arithmetic, 16-bit storage where asked.
+
+fairseq's Adam (AdamW's decoupled weight decay) on the local shards, with what fairseq
+offers only through apex's CUDA ``FusedAdamV1``:
+
+- 16-bit parameters and gradients (``--memory-efficient-fp16/bf16``): each step reads the
+  16-bit shard and gradient into fp32, updates in fp32 and rounds the result back, as
+  fairseq's memory-efficient optimizers do;
+- 16-bit moments (``--fp16-adam-stats``): each moment is stored in fp16, divided by a scale
+  taken from the largest magnitude of the whole parameter (FusedAdamV1's scheme: ``scale =
+  1e-8 + max|m| / 65504``). The maximum is taken across ranks, so the stored values do not
+  depend on how many ranks share the parameter: a checkpoint reloads exactly on any world
+  size, in FusedAdamV1's state layout (``exp_avg`` and ``exp_avg_sq`` in fp16,
+  ``exp_avg_scale`` and ``exp_avg_sq_scale`` as floats).
+
+The arithmetic is torch's fused Adam kernel (``torch.optim.adam.adam(fused=True)``, on CPU
+and CUDA), over chunks of at most :data:`CHUNK_ELEMENTS` elements, so the fp32 copies of
+16-bit tensors stay bounded. torch adds epsilon after the bias correction of the second
+moment and fairseq before it; passing ``eps / sqrt(1 - beta2^t)`` gives fairseq's update.
+The loss scale and clipping factor are applied inside the kernel, in fp32 (``grad_factor``),
+never by rescaling 16-bit gradients in place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.optim.adam import adam as torch_adam
+
+FLOAT16_MAX = 65504.0
+CHUNK_ELEMENTS = 1 << 24  # largest fp32 working set per kernel call: 16 B x this
+MOMENTS = ("exp_avg", "exp_avg_sq")
+SCALES = ("exp_avg_scale", "exp_avg_sq_scale")
+
+# Called with a 1-D fp32 tensor of per-parameter maxima, replaces them in place by their
+# maxima over the ranks sharing the parameters (None: one rank holds whole parameters).
+MaxOverRanks = Callable[[torch.Tensor], None]
+
+
+class ShardedAdam(torch.optim.Optimizer):
+    """Adam (fairseq's semantics) over fp32 or 16-bit tensors, moments fp32 or scaled fp16."""
+
+    def __init__(self, params: Sequence[torch.Tensor], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, fp16_moments: bool = False,
+                 max_over_ranks: MaxOverRanks | None = None) -> None:
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay))
+        self.fp16_moments = fp16_moments
+        self.max_over_ranks = max_over_ranks
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loading, except that moments keep their stored dtype: torch casts state
+        to its parameter's dtype, which would drop the scale of 16-bit moments and round
+        fp32 moments of 16-bit parameters (the next step reads either kind)."""
+        moments = {index: {key: entry[key] for key in MOMENTS if key in entry}
+                   for index, entry in state_dict.get("state", {}).items()}
+        super().load_state_dict(state_dict)
+        params = [param for group in self.param_groups for param in group["params"]]
+        for index, entry in moments.items():
+            param = params[index]
+            for key, value in entry.items():
+                self.state[param][key] = value.to(param.device)
+        if self.fp16_moments:
+            self._quantize_fp32_moments()
+
+    def _quantize_fp32_moments(self) -> None:
+        """Moments loaded in fp32 (a checkpoint of a run without ``--fp16-adam-stats``)
+        stored as scaled fp16 from now on; one all-reduce of their maxima, in the same
+        order on every rank (every rank loads the same checkpoint)."""
+        loaded = [state for state in self.state.values()
+                  if "exp_avg" in state and state["exp_avg"].dtype == torch.float32]
+        maxima = torch.tensor([[_largest_magnitude(state[key]) for key in MOMENTS]
+                               for state in loaded]).view(-1, 2)
+        if self.max_over_ranks is not None:
+            self.max_over_ranks(maxima.view(-1))
+        for state, scales in zip(loaded, 1e-8 + maxima / FLOAT16_MAX, strict=True):
+            for key, scale_key, scale in zip(MOMENTS, SCALES, scales.tolist(), strict=True):
+                state[key] = (state[key] / scale).half()
+                state[scale_key] = scale
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None,
+             grad_factor: float = 1.0) -> Any:
+        """One update; gradients are multiplied by ``grad_factor`` (in fp32) first."""
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            params = [param for param in group["params"] if param.grad is not None]
+            scales = self._next_scales(group, params, grad_factor) if self.fp16_moments else None
+            for chunk in _chunks(params, self.state):
+                self._update(group, chunk, grad_factor, scales)
+            for index, param in enumerate(params):
+                state = self.state[param]
+                state["step"] = state.get("step", 0) + 1
+                if scales is not None:
+                    state["exp_avg_scale"] = float(scales[index, 0])
+                    state["exp_avg_sq_scale"] = float(scales[index, 1])
+        return loss
+
+    def _next_scales(self, group: dict[str, Any], params: list[torch.Tensor],
+                     grad_factor: float) -> torch.Tensor:
+        """The scales of this step's new 16-bit moments, ``[len(params), 2]``: a first pass
+        computes each new moment's largest magnitude piece by piece, and one all-reduce
+        takes the maxima over the ranks, before any moment is overwritten."""
+        beta1, beta2 = group["betas"]
+        maxima = torch.zeros(len(params), 2)
+        for index, param in enumerate(params):
+            for start, stop in _pieces(param):
+                exp_avg, exp_avg_sq = _piece_moments(self.state[param], param, start, stop)
+                grad = _flat(param.grad)[start:stop].float().mul_(grad_factor)
+                exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                for which, moment in enumerate((exp_avg, exp_avg_sq)):
+                    maxima[index, which] = max(maxima[index, which], _largest_magnitude(moment))
+        if self.max_over_ranks is not None:
+            self.max_over_ranks(maxima.view(-1))
+        return 1e-8 + maxima / FLOAT16_MAX
+
+    def _update(self, group: dict[str, Any], chunk: list[_Piece], grad_factor: float,
+                scales: torch.Tensor | None) -> None:
+        """torch's fused Adam over one chunk of pieces, in fp32, written back."""
+        beta1, beta2 = group["betas"]
+        step = self.state[chunk[0].param].get("step", 0) + 1
+        device = chunk[0].param.device
+        params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
+        for piece in chunk:
+            param, start, stop = piece.param, piece.start, piece.stop
+            if scales is None:
+                _ensure_fp32_moments(self.state[param], param)
+            exp_avg, exp_avg_sq = _piece_moments(self.state[param], param, start, stop)
+            exp_avgs.append(exp_avg)
+            exp_avg_sqs.append(exp_avg_sq)
+            params.append(_flat(param)[start:stop].float())  # a view when already fp32
+            grads.append(_flat(param.grad)[start:stop].float())
+        torch_adam(
+            params, grads, exp_avgs, exp_avg_sqs, [],
+            [torch.tensor(float(step - 1), device=device) for _ in chunk], fused=True,
+            grad_scale=(None if grad_factor == 1.0
+                        else torch.tensor(1.0 / grad_factor, device=device)),
+            decoupled_weight_decay=True, amsgrad=False, maximize=False,
+            beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+            eps=group["eps"] / math.sqrt(1 - beta2**step),
+        )
+        for piece, fp32, exp_avg, exp_avg_sq in zip(chunk, params, exp_avgs, exp_avg_sqs,
+                                                     strict=True):
+            target = _flat(piece.param)[piece.start:piece.stop]
+            if fp32.data_ptr() != target.data_ptr():
+                target.copy_(fp32)
+            if scales is not None:
+                state = self.state[piece.param]
+                for which, moment in enumerate((exp_avg, exp_avg_sq)):
+                    stored = _flat(state[MOMENTS[which]])[piece.start:piece.stop]
+                    stored.copy_(moment.div_(scales[piece.index, which]))
+
+
+class _Piece(NamedTuple):
+    """Elements ``start:stop`` of the flattened ``param``, the ``index``-th updated."""
+
+    index: int
+    param: torch.Tensor
+    start: int
+    stop: int
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(-1)  # local shards and their gradients are contiguous
+
+
+def _pieces(param: torch.Tensor) -> Iterator[tuple[int, int]]:
+    """``param``'s elements in runs of at most :data:`CHUNK_ELEMENTS`."""
+    numel = param.numel()
+    for start in range(0, max(numel, 1), CHUNK_ELEMENTS):
+        yield start, min(start + CHUNK_ELEMENTS, numel)
+
+
+def _piece_moments(state: dict[str, Any], param: torch.Tensor, start: int, stop: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elements ``start:stop`` of both moments in fp32: views of fp32 moments, copies of
+    scaled 16-bit ones (as this optimizer or FusedAdamV1 stores them); zeros at first."""
+    if "exp_avg" not in state:
+        for key in MOMENTS:
+            state[key] = torch.zeros_like(param, dtype=torch.float16)
+        state.update(dict.fromkeys(SCALES, 1.0))
+    moments = []
+    for moment_key, scale_key in zip(MOMENTS, SCALES, strict=True):
+        moment = _flat(state[moment_key])[start:stop]
+        if moment.dtype == torch.float32:
+            moments.append(moment)
+        else:
+            moments.append(moment.float().mul_(float(state.get(scale_key, 1.0))))
+    return moments[0], moments[1]
+
+
+def _ensure_fp32_moments(state: dict[str, Any], param: torch.Tensor) -> None:
+    """Moments stored in fp32 (created, or converted from a 16-bit checkpoint's)."""
+    if "exp_avg" not in state:
+        for key in MOMENTS:
+            state[key] = torch.zeros_like(param, dtype=torch.float32)
+    elif state["exp_avg"].dtype != torch.float32:
+        for moment_key, scale_key in zip(MOMENTS, SCALES, strict=True):
+            state[moment_key] = state[moment_key].float().mul_(float(state.pop(scale_key, 1.0)))
+
+
+def _largest_magnitude(tensor: torch.Tensor) -> float:
+    return float(tensor.abs().amax()) if tensor.numel() else 0.0
+
+
+def _chunks(params: list[torch.Tensor], state: dict[torch.Tensor, dict[str, Any]]
+            ) -> Iterator[list[_Piece]]:
+    """The pieces of ``params`` in chunks of at most :data:`CHUNK_ELEMENTS` elements, each of
+    one step count and device (the kernel takes one epsilon and one device per call).
+    Decided per rank: the update has no collective."""
+    chunk: list[_Piece] = []
+    elements = 0
+    for index, param in enumerate(params):
+        key = (state[param].get("step", 0), param.device)
+        for start, stop in _pieces(param):
+            if chunk and (elements + stop - start > CHUNK_ELEMENTS or key != (
+                    state[chunk[0].param].get("step", 0), chunk[0].param.device)):
+                yield chunk
+                chunk, elements = [], 0
+            chunk.append(_Piece(index, param, start, stop))
+            elements += stop - start
+    if chunk:
+        yield chunk
+
+
+def with_fp32_moments(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict whose scaled fp16 moments are turned into fp32 ones, for an
+    optimizer that stores fp32 moments (fairseq's Adam after a ``--fp16-adam-stats`` run)."""
+    converted = {}
+    for index, entry in state_dict.get("state", {}).items():
+        if "exp_avg_scale" in entry:
+            entry = {key: value for key, value in entry.items() if key not in SCALES}
+            for moment_key, scale_key in zip(MOMENTS, SCALES, strict=True):
+                entry[moment_key] = (state_dict["state"][index][moment_key].float()
+                                     * float(state_dict["state"][index][scale_key]))
+        converted[index] = entry
+    return {**state_dict, "state": converted}

@@ -1,0 +1,182 @@
+"""The plugin's Adam (sharding/sharded_adam.py) in one process: fairseq's update over fp32
+or 16-bit tensors, 16-bit moments in FusedAdamV1's layout, pieces, and reloading."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from fairseq.optim.adam import Adam as FairseqAdam
+
+from fairseq_shard_plugin.sharding import sharded_adam
+from fairseq_shard_plugin.sharding.sharded_adam import ShardedAdam, with_fp32_moments
+
+SHAPES = [(48, 32), (32,), (0, 8), (1000,)]
+SETTINGS = dict(lr=1e-3, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01)
+STEPS = 10
+
+
+def gradients(steps: int = STEPS) -> list[list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [[torch.randn(shape, generator=generator) * 1e-3 for shape in SHAPES]
+            for _ in range(steps)]
+
+
+def start_params(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=generator).to(dtype).requires_grad_()
+            for shape in SHAPES]
+
+
+def train(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+          grads: list[list[torch.Tensor]], factor: float = 1.0) -> None:
+    """Steps with gradients stored divided by ``factor`` (as a loss scale leaves them)."""
+    for step_grads in grads:
+        for param, grad in zip(params, step_grads, strict=True):
+            param.grad = (grad / factor).to(param.dtype)
+        if isinstance(optimizer, ShardedAdam):
+            optimizer.step(grad_factor=factor)
+        else:
+            for param in params:
+                param.grad.mul_(factor)
+            optimizer.step()
+
+
+def trained(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+            dtype: torch.dtype = torch.float32, factor: float = 1.0
+            ) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+    params = start_params(dtype)
+    optimizer = make(params)
+    train(optimizer, params, gradients(), factor)
+    return params, optimizer
+
+
+def assert_params_close(ours: list[torch.Tensor], reference: list[torch.Tensor],
+                        rtol: float, atol: float) -> None:
+    for a, b in zip(ours, reference, strict=True):
+        torch.testing.assert_close(a.detach().float(), b.detach().float(), rtol=rtol, atol=atol)
+
+
+def test_fp32_state_updates_as_fairseqs_adam() -> None:
+    """fairseq's formula (epsilon before the bias correction) within fp32 rounding, with
+    the loss-scale factor applied inside the step."""
+    reference, _ = trained(lambda params: FairseqAdam(params, **SETTINGS))
+    ours, optimizer = trained(lambda params: ShardedAdam(params, **SETTINGS), factor=1 / 512)
+    assert_params_close(ours, reference, rtol=1e-5, atol=1e-6)
+    state = optimizer.state[ours[0]]
+    assert state["exp_avg"].dtype == torch.float32 and state["step"] == STEPS
+
+
+def test_fp16_moments_take_fused_adam_v1_layout_and_track_fp32() -> None:
+    reference, fp32 = trained(lambda params: ShardedAdam(params, **SETTINGS))
+    ours, optimizer = trained(lambda params: ShardedAdam(params, fp16_moments=True, **SETTINGS))
+    assert_params_close(ours, reference, rtol=1e-4, atol=1e-5)
+    for param, fp32_param in zip(ours[:2], reference[:2], strict=True):  # not the empty one
+        state, fp32_state = optimizer.state[param], fp32.state[fp32_param]
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq", "exp_avg_scale",
+                              "exp_avg_sq_scale"}
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float16
+        for key in ("exp_avg", "exp_avg_sq"):
+            exact = fp32_state[key]
+            # FusedAdamV1's scale: the largest magnitude maps to fp16's largest value
+            expected_scale = 1e-8 + float(exact.abs().max()) / 65504
+            assert state[f"{key}_scale"] == pytest.approx(expected_scale, rel=1e-3)
+            restored = state[key].float() * state[f"{key}_scale"]
+            # fp16 keeps 11 significant bits of the largest moment; ten steps of rounding
+            torch.testing.assert_close(restored, exact, rtol=0, atol=5e-3 * float(
+                exact.abs().max()))
+
+
+def test_16_bit_parameters_are_updated_in_fp32_and_rounded() -> None:
+    reference, _ = trained(lambda params: ShardedAdam(params, **SETTINGS))
+    ours, optimizer = trained(
+        lambda params: ShardedAdam(params, fp16_moments=True, **SETTINGS),
+        dtype=torch.float16, factor=1 / 1024)
+    assert all(param.dtype == torch.float16 for param in ours)
+    # within a few fp16 steps (1/1024 relative) of the fp32 run: each step rounds
+    assert_params_close(ours, reference, rtol=5e-3, atol=1e-3)
+    # the update moved every parameter by more than fp16 rounds away
+    moved = [(a.float() - b).abs().max() for a, b in zip(ours, start_params(), strict=True)
+             if a.numel()]
+    assert min(moved) > 5e-3
+
+
+@pytest.mark.parametrize("fp16_moments", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pieces_and_chunks_do_not_change_the_update(
+    monkeypatch: pytest.MonkeyPatch, fp16_moments: bool, dtype: torch.dtype
+) -> None:
+    """Large parameters are updated in pieces (bounded fp32 copies): the same update, up
+    to the kernel's vectorisation of other element runs (fp32 rounding; in bf16 an
+    occasional neighbouring value)."""
+    def make(params: list[torch.Tensor]) -> ShardedAdam:
+        return ShardedAdam(params, fp16_moments=fp16_moments, **SETTINGS)
+
+    whole, whole_optimizer = trained(make, dtype)
+    monkeypatch.setattr(sharded_adam, "CHUNK_ELEMENTS", 7)
+    pieces, pieces_optimizer = trained(make, dtype)
+    rtol = 1e-5 if dtype == torch.float32 else 8e-3
+    for a, b in zip(whole, pieces, strict=True):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq"):
+            whole_moment = whole_optimizer.state[a][key].float()
+            largest = float(whole_moment.abs().max()) if whole_moment.numel() else 0.0
+            torch.testing.assert_close(whole_moment, pieces_optimizer.state[b][key].float(),
+                                       rtol=0, atol=1e-3 * largest)
+
+
+@pytest.mark.parametrize("fp16_moments", [False, True])
+def test_a_reloaded_state_continues_exactly(fp16_moments: bool) -> None:
+    grads = gradients()
+    uninterrupted = start_params(torch.float16)
+    train(ShardedAdam(uninterrupted, fp16_moments=fp16_moments, **SETTINGS), uninterrupted,
+          grads)
+    first = start_params(torch.float16)
+    optimizer = ShardedAdam(first, fp16_moments=fp16_moments, **SETTINGS)
+    train(optimizer, first, grads[:4])
+    resumed = [param.detach().clone().requires_grad_() for param in first]
+    reloaded = ShardedAdam(resumed, fp16_moments=fp16_moments, **SETTINGS)
+    reloaded.load_state_dict(optimizer.state_dict())
+    moment_dtype = torch.float16 if fp16_moments else torch.float32
+    assert reloaded.state[resumed[0]]["exp_avg"].dtype == moment_dtype  # torch would cast
+    train(reloaded, resumed, grads[4:])
+    for a, b in zip(uninterrupted, resumed, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_moments_convert_between_fp32_and_fp16_checkpoints() -> None:
+    fp32_params, fp32_optimizer = trained(lambda params: ShardedAdam(params, **SETTINGS))
+    fp32_state = fp32_optimizer.state_dict()
+    # an fp32 checkpoint into a --fp16-adam-stats run: quantized once, at load
+    params = [param.detach().clone().requires_grad_() for param in fp32_params]
+    sixteen = ShardedAdam(params, fp16_moments=True, **SETTINGS)
+    sixteen.load_state_dict(fp32_state)
+    state = sixteen.state[params[0]]
+    assert state["exp_avg"].dtype == torch.float16
+    exact = fp32_optimizer.state[fp32_params[0]]["exp_avg"]
+    torch.testing.assert_close(state["exp_avg"].float() * state["exp_avg_scale"], exact,
+                               rtol=1e-3, atol=2 * state["exp_avg_scale"])
+    # and back: a --fp16-adam-stats checkpoint for fairseq's own (fp32-moment) Adam
+    converted = with_fp32_moments(sixteen.state_dict())["state"][0]
+    assert "exp_avg_scale" not in converted and converted["exp_avg"].dtype == torch.float32
+    torch.testing.assert_close(converted["exp_avg"], exact, rtol=1e-3,
+                               atol=2 * state["exp_avg_scale"])
+
+
+def test_scales_come_from_the_maxima_over_ranks() -> None:
+    """The maxima are handed to ``max_over_ranks`` (an all-reduce in training): what it
+    returns sets every scale, so all ranks sharing a parameter store the same one."""
+    seen: list[torch.Tensor] = []
+
+    def as_if_another_rank_held_twice_as_much(maxima: torch.Tensor) -> None:
+        seen.append(maxima.clone())
+        maxima.mul_(2)
+
+    params, optimizer = trained(lambda params: ShardedAdam(
+        params, fp16_moments=True, max_over_ranks=as_if_another_rank_held_twice_as_much,
+        **SETTINGS))
+    assert len(seen) == STEPS and seen[-1].shape == (2 * len(SHAPES),)
+    state = optimizer.state[params[0]]
+    assert state["exp_avg_scale"] == pytest.approx(1e-8 + 2 * float(seen[-1][0]) / 65504)
+    assert float(state["exp_avg"].float().abs().max()) <= 65504 / 2 + 1
