@@ -32,7 +32,6 @@ import socket
 import subprocess
 import sys
 import threading
-import traceback
 from pathlib import Path
 from typing import IO, Any
 
@@ -71,8 +70,8 @@ def _run_entry(argv: list[str]) -> int:
         return 0
     except SystemExit as error:
         return _exit_code(error)
-    except BaseException:  # what the interpreter would print before exiting with 1
-        traceback.print_exc()
+    except BaseException:  # printed as the interpreter would (torch.distributed installs
+        sys.excepthook(*sys.exc_info())  # a hook prefixing each line with the rank)
         return 1
 
 

@@ -1,8 +1,11 @@
-"""fp16/bf16 with fp32 master shards on 2 CPU ranks: accuracy, overflow handling, masters.
+"""16-bit training on 2 CPU ranks: fp16/bf16 with fp32 master shards, and Meta's NLLB
+model state (``--memory-efficient-fp16 --fp16-adam-stats``: 16-bit parameter, gradient and
+moment shards, 8 bytes per parameter); accuracy, overflow handling, checkpoints.
 
-Tolerance: 16-bit compute changes each update's logged loss by at most 0.1% (fp16) and
-0.5% (bf16) relative to an unsharded fp32 reference over 50 updates; measured here at about
-0.01% and 0.04% (the log itself rounds losses to 3 decimals).
+Tolerance: 16-bit compute changes each update's logged loss by at most 0.1% (fp16, also
+with 16-bit state) and 0.5% (bf16) relative to an unsharded fp32 reference over 50
+updates; measured here at about 0.01%, 0.04% and 0.03% (16-bit state; the log itself
+rounds losses to 3 decimals).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +27,7 @@ from benchmarks.harness import (
     in_threads,
     result_of,
     run_training,
+    start_ranks,
     tool,
     training_args,
 )
@@ -30,7 +35,11 @@ from benchmarks.harness import (
 from tiny_training import REFERENCE_UPDATES, TINY
 
 UPDATES = REFERENCE_UPDATES
-TOLERANCE = {"fp16": 1e-3, "bf16": 5e-3}
+TOLERANCE = {"fp16": 1e-3, "bf16": 5e-3, "16-bit state": 1e-3}
+# the run's flags; "16-bit state" also saves at update 25, for the resume below
+FLAGS = {"fp16": ["--fp16"], "bf16": ["--bf16"],
+         "16-bit state": ["--memory-efficient-fp16", "--fp16-adam-stats",
+                          "--save-interval-updates", "25"]}
 HELPERS = REPO / "tests" / "helpers"
 
 
@@ -40,13 +49,13 @@ def runs(
     sharded_tiny_run: tuple[RunResult, Path],
 ) -> dict[str, RunResult]:
     """The unsharded stock fp32 reference, the sharded fp32 run (both shared with other
-    modules) and the sharded fp16 and bf16 runs of the same training."""
+    modules) and the sharded 16-bit runs of the same training (:data:`FLAGS`)."""
     results = {"reference": stock_tiny_run, "fp32": sharded_tiny_run[0]}
 
     def job(name: str) -> Callable[[], RunResult]:
-        save_dir = tmp_path_factory.mktemp(name)
+        save_dir = tmp_path_factory.mktemp(name.replace(" ", "_"))
         args = training_args(corpus, save_dir, UPDATES) + TINY + [
-            "--task", "sharded_translation", f"--{name}"]
+            "--task", "sharded_translation", *FLAGS[name]]
 
         def train() -> RunResult:
             run = run_training(args, nproc=2, plugin=True)
@@ -55,12 +64,12 @@ def runs(
 
         return train
 
-    sixteen_bit = in_threads({name: job(name) for name in ("fp16", "bf16")})  # memory is
+    sixteen_bit = in_threads({name: job(name) for name in FLAGS})  # memory is
     # per process: the peaks compared below do not depend on running both at once
     return {**results, **{name: result_of(sixteen_bit, name) for name in sixteen_bit}}
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("precision", list(FLAGS))
 def test_16_bit_tracks_the_fp32_reference(runs: dict[str, RunResult], precision: str) -> None:
     reference = runs["reference"].series("train_inner", "loss")
     losses = runs[precision].series("train_inner", "loss")
@@ -134,3 +143,42 @@ def test_minimum_loss_scale_stops_every_rank_with_that_error(corpus: Path, tmp_p
     assert "StopIteration" not in run.output and "gloo" not in run.output.split(
         "Minimum loss scale reached")[-1]
     assert not (tmp_path / "crash.pt").exists()
+
+
+def test_16_bit_state_resumes_exactly_from_an_interval_checkpoint(
+    runs: dict[str, RunResult], corpus: Path, tmp_path: Path
+) -> None:
+    """16-bit parameters, fp16 moments and their scales are all in the checkpoint: the
+    second half of the run, resumed from update 25, repeats the uninterrupted one."""
+    uninterrupted = runs["16-bit state"]
+    (restore,) = uninterrupted.save_dir.glob("checkpoint_*_25.pt")  # type: ignore[attr-defined]
+    args = training_args(corpus, tmp_path, UPDATES) + TINY + [
+        "--task", "sharded_translation", *FLAGS["16-bit state"], "--restore-file", str(restore)]
+    resumed = run_training(args, nproc=2, plugin=True)
+    for key in ("loss", "gnorm"):
+        continued = resumed.series("train_inner", key)
+        assert len(continued) == UPDATES - 25
+        assert continued == uninterrupted.series("train_inner", key)[25:]
+
+
+def test_16_bit_state_is_8_bytes_per_parameter_and_reloads_on_three_ranks(
+    runs: dict[str, RunResult], corpus: Path, tmp_path: Path
+) -> None:
+    """The 2-rank checkpoint loads into 3 ranks' shards unchanged (a full checkpoint holds
+    each moment's one scale, the same on every rank), and the shards hold 16-bit
+    parameters and moments: 6 bytes per parameter between steps, 8 with the gradients.
+    (The file holds them as fp32, as fairseq writes every 16-bit tensor.)"""
+    checkpoint = runs["16-bit state"].save_dir / "checkpoint_last.pt"  # type: ignore[attr-defined]
+    report_path = tmp_path / "reload.json"
+    command = [sys.executable, str(HELPERS / "reload_masters.py"), str(checkpoint),
+               str(report_path), str(corpus), *TINY, "--cpu", "--task", "translation",
+               "--optimizer", "adam", "--lr", "1e-3", "--criterion",
+               "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+               "--ddp-backend", "fully_sharded", "--memory-efficient-fp16", "--fp16-adam-stats"]
+    returncode, output = start_ranks(command, 3, dict(os.environ, OMP_NUM_THREADS="1"))
+    assert returncode == 0, output[-4000:]
+    report = json.loads(report_path.read_text())
+    assert report["master_dtypes"] == ["torch.float16"]
+    assert report["moment_dtypes"] == ["torch.float16"]
+    assert report["masters_equal"] and report["optimizer_equal"]
+    assert report["state_bytes_per_parameter"] == pytest.approx(6.0, abs=0.01)

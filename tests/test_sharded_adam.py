@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from fairseq import utils as fairseq_utils
 from fairseq.optim.adam import Adam as FairseqAdam
 
 from fairseq_shard_plugin.sharding import sharded_adam
@@ -137,7 +138,8 @@ def test_a_reloaded_state_continues_exactly(fp16_moments: bool) -> None:
     train(optimizer, first, grads[:4])
     resumed = [param.detach().clone().requires_grad_() for param in first]
     reloaded = ShardedAdam(resumed, fp16_moments=fp16_moments, **SETTINGS)
-    reloaded.load_state_dict(optimizer.state_dict())
+    # as a checkpoint holds it: fairseq's writer turns every 16-bit tensor into fp32
+    reloaded.load_state_dict(fairseq_utils.move_to_cpu(optimizer.state_dict()))
     moment_dtype = torch.float16 if fp16_moments else torch.float32
     assert reloaded.state[resumed[0]]["exp_avg"].dtype == moment_dtype  # torch would cast
     train(reloaded, resumed, grads[4:])

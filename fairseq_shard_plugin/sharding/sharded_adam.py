@@ -53,17 +53,20 @@ class ShardedAdam(torch.optim.Optimizer):
         self.max_over_ranks = max_over_ranks
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's loading, except that moments keep their stored dtype: torch casts state
-        to its parameter's dtype, which would drop the scale of 16-bit moments and round
-        fp32 moments of 16-bit parameters (the next step reads either kind)."""
+        """torch's loading, except that moments keep their kind: torch casts state to its
+        parameter's dtype, which would round fp32 moments of 16-bit parameters; scaled
+        moments (with ``exp_avg_scale``) are fp16, whatever dtype the file holds."""
         moments = {index: {key: entry[key] for key in MOMENTS if key in entry}
                    for index, entry in state_dict.get("state", {}).items()}
         super().load_state_dict(state_dict)
         params = [param for group in self.param_groups for param in group["params"]]
         for index, entry in moments.items():
             param = params[index]
+            scaled = SCALES[0] in self.state[param]
             for key, value in entry.items():
-                self.state[param][key] = value.to(param.device)
+                # fairseq's checkpoint writer (utils.move_to_cpu) upcasts fp16 to fp32:
+                # scaled moments were fp16, and go back without loss
+                self.state[param][key] = (value.half() if scaled else value).to(param.device)
         if self.fp16_moments:
             self._quantize_fp32_moments()
 
