@@ -10,7 +10,9 @@ allocator's own events (``allocator_meter.AllocatorMeter``). Loss values under a
 are meaningless and are not reported.
 
 Breakdown (per rank, with Adam's state created before the measured step):
-  params / grads / optimizer: the fp32 master shards, their gradients and Adam's moments;
+  params / grads / optimizer: the parameter shards (fp32 masters, or 16-bit under
+  ``--memory-efficient-*``), their gradients and Adam's moments (fp16 with
+  ``--fp16-adam-stats``);
   activations: bytes live when the loss is computed beyond the resident state (tensors saved
   for backward, and parameters a unit keeps gathered);
   temporaries: the rest of the peak (gathered parameters, unsharded gradients and reduction
@@ -72,8 +74,18 @@ CONFIGURATIONS = (
                   "+ --cpu-offload: shards, gradients and optimizer state on the host", None,
                   (*CHUNKED_LOSS, "--checkpoint-activations", "--cpu-offload")),
 )
+# the NLLB configs' settings (configs/nllb/*.yaml), with each model-state precision
+NLLB_SETTINGS = (*CHUNKED_LOSS, "--checkpoint-activations", "--reduce-vocabulary-in-16-bit",
+                 "--keep-vocabulary-gathered")
 # measured only when named in --configurations (not part of the default table)
 OPTIONAL_CONFIGURATIONS = (
+    Configuration("nllb-settings+16-bit-params", "the NLLB settings with "
+                  "--memory-efficient-bf16: 16-bit parameter and gradient shards, fp32 Adam "
+                  "moments (12 B per parameter, as fairseq's memory-efficient mode)", None,
+                  (*NLLB_SETTINGS, "--memory-efficient-bf16")),
+    Configuration("nllb-settings+16-bit-state", "... and --fp16-adam-stats: 16-bit moments "
+                  "too (8 B per parameter, Meta's NLLB recipe)", None,
+                  (*NLLB_SETTINGS, "--memory-efficient-bf16", "--fp16-adam-stats")),
     Configuration("plugin+cross-entropy", "fairseq's cross_entropy criterion (no label "
                   "smoothing) instead of label_smoothed_cross_entropy", None,
                   ("--criterion", "cross_entropy")),
@@ -376,7 +388,8 @@ def main(argv: list[str] | None = None) -> None:
     device = "cuda" if options.cuda else "cpu"
     optimizer = "Adam" if options.optimizer == "adam" else "SGD (no optimizer state)"
     note = (f"GiB per rank, {options.tokens} tokens per rank, {options.precision} compute, "
-            f"fp32 master shards, {optimizer}, measured on {device} with a fake process "
+            f"fp32 master shards (16-bit where the row says), {optimizer}, measured on "
+            f"{device} with a fake process "
             f"group; device: the peak without the host-side state of --cpu-offload. "
             f"{host_memory()} Produced by `{command}`.")
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,7 @@ def nllb_sweep_flags(data: Path, save_dir: Path) -> list[str]:
         str(data), "--cpu", "--save-dir", str(save_dir), "--no-save",
         "--task", "translation_multi_simple_epoch", "--lang-pairs", ",".join(pairs),
         "--lang-dict", str(data / "langs.txt"), "--encoder-langtok", "src", "--decoder-langtok",
-        "--sampling-method", "temperature", "--sampling-temperature", "1.5",
+        "--sampling-method", "temperature", "--sampling-temperature", "1",
         "--arch", "transformer", "--encoder-layers", "2", "--decoder-layers", "2",
         "--encoder-embed-dim", "64", "--decoder-embed-dim", "64",
         "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128",
@@ -89,9 +89,10 @@ def nllb_sweep_flags(data: Path, save_dir: Path) -> list[str]:
 def test_nllb_sweep_trains_with_only_user_dir_and_task_changed(
     multilingual: Path, tmp_path: Path
 ) -> None:
-    """The recipe's --memory-efficient-fp16 (bf16 is tested with the same trainer in
-    test_precision)."""
-    args = nllb_sweep_flags(multilingual, tmp_path) + ["--memory-efficient-fp16"]
+    """The recipe's --memory-efficient-fp16 --fp16-adam-stats (16-bit state; bf16 and the
+    state's accuracy are tested with the same trainer in test_precision)."""
+    args = nllb_sweep_flags(multilingual, tmp_path) + [
+        "--memory-efficient-fp16", "--fp16-adam-stats"]
     args[args.index("translation_multi_simple_epoch")] = "sharded_translation_multi_simple_epoch"
     run = run_training(args, nproc=2, plugin=True)  # adds --user-dir, --ddp-backend fully_sharded
     losses = run.series("train_inner", "loss")
@@ -99,7 +100,10 @@ def test_nllb_sweep_trains_with_only_user_dir_and_task_changed(
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
     assert "peak_mem_gb" in run.logs["train_inner"][-1]
     predicted = [line for line in run.output.splitlines() if "predicted peak: " in line]
-    assert len(predicted) == 1 and "--memory-efficient-fp16" in predicted[0], run.output[-3000:]
+    assert len(predicted) == 1, run.output[-3000:]
+    assert {"--memory-efficient-fp16", "--fp16-adam-stats"} <= set(predicted[0].split())
+    assert run.output.count("predicted host peak: ") == 1
+    assert "16-bit parameters, fp16 (scaled) moments" in run.output
 
 
 # options that exercise every kind of conversion the task's parser does: comma lists, a

@@ -43,6 +43,7 @@ from fairseq_shard_plugin.memory.meters import StepMemoryProbe, storage_bytes, w
 from fairseq_shard_plugin.memory.metrics import log_step_memory
 from fairseq_shard_plugin.memory.run_estimate import (
     describe_run,
+    host_memory_warning,
     log_predicted_peak,
     out_of_memory_clause,
 )
@@ -150,8 +151,12 @@ class ShardedTrainer(Trainer):
             watch_offloaded_state(self._memory_probe, self._model.parameters())
         self._space_reported = False  # see _report_checkpoint_space
         if self.is_data_parallel_master:
-            log_predicted_peak(self._run_description, self.device, task,
-                               cfg.dataset.valid_subset)
+            prediction = log_predicted_peak(self._run_description, self.device, task,
+                                            cfg.dataset.valid_subset)
+            too_much_host_memory = host_memory_warning(
+                prediction.host_peak_bytes if prediction is not None else None)
+            if too_much_host_memory:
+                logger.warning(too_much_host_memory)
         # read after every update by integration hook 9 (save and stop on a signal)
         self.signal_stop = signal_stop.install(
             signal_stop.parse_signals(self.sharding_options.save_on_signal))
