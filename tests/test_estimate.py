@@ -380,7 +380,7 @@ def test_a_hydra_config_gives_the_same_estimate_as_its_flags(
     """configs/nllb/dense_600m.yaml read by --config equals the same settings as flags;
     flags given beside it override it."""
     config = str(REPO / "configs" / "nllb" / "dense_600m.yaml")
-    as_flags = run(["--arch", "nllb_dense_600m", "--memory-efficient-fp16",
+    as_flags = run(["--arch", "nllb_dense_600m", "--memory-efficient-fp16", "--fp16-adam-stats",
                     "--criterion", "chunked_label_smoothed_cross_entropy",
                     "--loss-chunk-tokens", "1024", "--checkpoint-activations",
                     "--reduce-vocabulary-in-16-bit", "--keep-vocabulary-gathered"])

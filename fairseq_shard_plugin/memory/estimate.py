@@ -34,6 +34,7 @@ from fairseq_shard_plugin.memory.model import (
     largest_tokens,
     training_host_peak,
 )
+from fairseq_shard_plugin.sharding.options import MODELLED_FLAGS, option_help
 from fairseq_shard_plugin.sharding.settings import precision_name
 
 PROG = "fairseq-shard-estimate"
@@ -94,9 +95,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--criterion", choices=CRITERIA, default=STOCK,
                    help=f"{', '.join(LIKE_STOCK)}: modelled as {STOCK} (the same tensors)")
     p.add_argument("--loss-chunk-tokens", type=int, default=1024)
-    for flag in ("root-unit-only", "keep-root-gathered", "keep-vocabulary-gathered",
-                 "checkpoint-activations", "cpu-offload", "reduce-in-16-bit",
-                 "reduce-vocabulary-in-16-bit"):
+    for name in MODELLED_FLAGS:  # the plugin's own, as a training takes them
+        p.add_argument("--" + name.replace("_", "-"), action="store_true",
+                       help=option_help(name))
+    for flag in ("checkpoint-activations", "cpu-offload"):  # fairseq's
         p.add_argument("--" + flag, action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="fairseq's flag: every unit stays gathered from forward to backward")
@@ -149,14 +151,11 @@ def setup_from(options: argparse.Namespace) -> TrainingSetup:
     return TrainingSetup(
         world_size=options.world_size, tokens=options.max_tokens,
         tokens_per_sentence=options.tokens_per_sentence, precision=precision,
-        optimizer=options.optimizer, root_unit_only=options.root_unit_only,
-        keep_root_gathered=options.keep_root_gathered,
-        keep_vocabulary_gathered=options.keep_vocabulary_gathered,
+        optimizer=options.optimizer,
+        **{name: getattr(options, name) for name in MODELLED_FLAGS},
         keep_all_gathered=options.no_reshard_after_forward,
         chunked_loss=options.criterion == CHUNKED, loss_chunk_tokens=options.loss_chunk_tokens,
         checkpoint_activations=options.checkpoint_activations, cpu_offload=options.cpu_offload,
-        reduce_in_16_bit=options.reduce_in_16_bit,
-        reduce_vocabulary_in_16_bit=options.reduce_vocabulary_in_16_bit,
         params_in_16_bit=options.memory_efficient_fp16 or options.memory_efficient_bf16,
         fp16_adam_stats=options.fp16_adam_stats,
     )

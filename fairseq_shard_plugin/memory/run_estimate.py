@@ -31,14 +31,12 @@ from fairseq_shard_plugin.memory.estimate import (
 )
 from fairseq_shard_plugin.memory.estimate import run as run_estimator
 from fairseq_shard_plugin.memory.model import GIB, ModelShape
-from fairseq_shard_plugin.sharding.options import sharding_options
+from fairseq_shard_plugin.sharding.options import MODELLED_FLAGS, sharding_options
 from fairseq_shard_plugin.sharding.settings import ranks_per_node
 
 logger = logging.getLogger(__name__)
 
 MODELLED_OPTIMIZERS = ("adam", "sgd")
-PLUGIN_FLAGS = ("root_unit_only", "keep_root_gathered", "keep_vocabulary_gathered",
-                "reduce_in_16_bit", "reduce_vocabulary_in_16_bit")
 # Share of a GPU's memory the estimate may fill: the rest is the CUDA context, the caching
 # allocator's fragmentation and what the estimate leaves out.
 DEVICE_HEADROOM = 0.9
@@ -165,7 +163,7 @@ def run_description(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> 
     if criterion == CHUNKED:
         flags += ["--loss-chunk-tokens", str(cfg.criterion.loss_chunk_tokens)]
     options = sharding_options(cfg.task)
-    flags += ["--" + name.replace("_", "-") for name in PLUGIN_FLAGS if getattr(options, name)]
+    flags += ["--" + name.replace("_", "-") for name in MODELLED_FLAGS if getattr(options, name)]
     if getattr(cfg.model, "checkpoint_activations", False):
         flags.append("--checkpoint-activations")
     if cfg.distributed_training.cpu_offload:

@@ -51,6 +51,13 @@ def share_tied_tensors(model_state: dict[str, Any], model: torch.nn.Module) -> d
     return shared
 
 
+def shard_like(full: torch.Tensor, param: DTensor) -> DTensor:
+    """This rank's slice of the full tensor ``full`` (model or optimizer state), as a DTensor
+    sharded like ``param``; no communication (every rank holds ``full``)."""
+    return distribute_tensor(full.to(param.device), param.device_mesh, param.placements,
+                             src_data_rank=None)
+
+
 def _shard_full_tensors(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
                         *args: Any) -> None:
     """Load pre-hook of one module: each full tensor in ``state_dict`` for one of its DTensor
@@ -59,9 +66,7 @@ def _shard_full_tensors(module: torch.nn.Module, state_dict: dict[str, Any], pre
         value = state_dict.get(prefix + name)
         if (isinstance(param, DTensor) and isinstance(value, torch.Tensor)
                 and not isinstance(value, DTensor) and value.shape == param.shape):
-            state_dict[prefix + name] = distribute_tensor(
-                value.to(param.device), param.device_mesh, param.placements,
-                src_data_rank=None)
+            state_dict[prefix + name] = shard_like(value, param)
 
 
 @contextlib.contextmanager

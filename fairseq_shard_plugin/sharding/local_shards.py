@@ -16,7 +16,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+
+from fairseq_shard_plugin.sharding.full_state import shard_like
 
 
 def _local_alias(param: torch.Tensor) -> torch.Tensor:
@@ -122,7 +124,5 @@ def _to_local(value: Any, param: torch.Tensor) -> Any:
             value = value.redistribute(param.device_mesh, param.placements)
         return value.to_local()
     if value.shape == param.shape:  # a full tensor, as in a consolidated checkpoint
-        sharded = distribute_tensor(value.to(param.device), param.device_mesh,
-                                    param.placements, src_data_rank=None)
-        return sharded.to_local()
+        return shard_like(value, param).to_local()
     return value  # already a local shard

@@ -22,6 +22,10 @@ CHECKPOINT_FORMATS = ChoiceEnum(["full", "sharded"])
 # when asked to with --signal, and SIGTERM when it preempts or cancels)
 DEFAULT_SIGNALS = "SIGUSR1,SIGTERM"
 
+# metadata key of the flags the memory estimator models (``fairseq-shard-estimate`` takes
+# them, and a running training passes them on): :data:`MODELLED_FLAGS`
+MODELLED = "modelled_by_the_estimator"
+
 
 @dataclass
 class ShardingConfig(FairseqDataclass):
@@ -37,6 +41,7 @@ class ShardingConfig(FairseqDataclass):
     keep_root_gathered: bool = field(
         default=False,
         metadata={
+            MODELLED: True,
             "help": "keep the root unit's parameters gathered between forward and backward, "
             "as fairscale's root does in stock fairseq (costs memory; for comparison)"
         },
@@ -44,6 +49,7 @@ class ShardingConfig(FairseqDataclass):
     keep_vocabulary_gathered: bool = field(
         default=False,
         metadata={
+            MODELLED: True,
             "help": "keep the vocabulary unit (shared embeddings and output projection) "
             "gathered from its first use in forward to the end of backward: one all-gather "
             "per step instead of one per use, for vocabulary x d_model x 2 bytes per rank "
@@ -53,6 +59,7 @@ class ShardingConfig(FairseqDataclass):
     root_unit_only: bool = field(
         default=False,
         metadata={
+            MODELLED: True,
             "help": "shard only the root unit, as stock fairseq does when every layer is "
             "below --min-params-to-wrap (for comparison: no per-layer units)"
         },
@@ -60,6 +67,7 @@ class ShardingConfig(FairseqDataclass):
     reduce_in_16_bit: bool = field(
         default=False,
         metadata={
+            MODELLED: True,
             "help": "with --fp16/--bf16, reduce-scatter gradients in 16 bits instead of fp32 "
             "(halves gradient traffic; less precise)"
         },
@@ -67,6 +75,7 @@ class ShardingConfig(FairseqDataclass):
     reduce_vocabulary_in_16_bit: bool = field(
         default=False,
         metadata={
+            MODELLED: True,
             "help": "with --fp16/--bf16, reduce-scatter only the vocabulary unit's gradient in "
             "16 bits: its fp32 copy (vocabulary x d_model x 4 bytes) is the largest transient "
             "at the end of backward"
@@ -116,6 +125,15 @@ class ShardingConfig(FairseqDataclass):
             "number of ranks and fairseq-shard-consolidate reads both"
         },
     )
+
+
+# the modelled boolean options by field name (``root_unit_only`` -> ``--root-unit-only``)
+MODELLED_FLAGS = tuple(f.name for f in fields(ShardingConfig) if f.metadata.get(MODELLED))
+
+
+def option_help(name: str) -> str:
+    """The help text of the option ``name`` (a field name)."""
+    return next(f.metadata["help"] for f in fields(ShardingConfig) if f.name == name)
 
 
 def sharding_options(task_cfg: Any) -> "ShardingConfig":
