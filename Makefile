@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test lint demo memory gpu-wheels clean
+.PHONY: install test test-unit lint demo memory gpu-wheels clean
 
 $(STAMP): setup.py Makefile
 	python3 -m venv $(VENV)
@@ -20,6 +20,10 @@ lint: install
 
 test: lint
 	$(PY) -m pytest -q --durations=15 tests
+
+# The in-process tests only (seconds; no fairseq launches): for quick iteration.
+test-unit: lint
+	$(PY) -m pytest -q -m "not e2e" tests
 
 # Benchmarks draw charts with matplotlib (the "bench" extra).
 BENCH_STAMP := $(VENV)/.bench-stamp

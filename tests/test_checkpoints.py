@@ -53,6 +53,8 @@ from fairseq_shard_plugin.cli import verify as cli_verify
 
 from tiny_training import SHARDED, TINY, reshard, sharded_config
 
+pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
+
 UPDATES = 40
 TIED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
         "decoder.output_projection.weight")  # one parameter: --share-all-embeddings

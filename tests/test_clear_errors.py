@@ -31,6 +31,8 @@ from fairseq_shard_plugin.training.validation import (
 
 from tiny_training import sharded_config
 
+pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
+
 TINY = transformer_args(dim=32, ffn=64, layers=1)
 # launched: the line each prints names what to change
 REFUSED = {

@@ -277,6 +277,7 @@ def small_measurements() -> dict[str, float]:
     return peaks
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("configuration", list(SMALL_MEASURED))
 def test_estimate_matches_a_small_measured_step(
     small_measurements: dict[str, float], configuration: str
@@ -311,6 +312,7 @@ def cli(
     })
 
 
+@pytest.mark.e2e
 def test_cli_prints_three_configurations_and_json(
     cli: dict[str, subprocess.CompletedProcess]
 ) -> None:
@@ -342,6 +344,7 @@ def test_keeping_the_vocabulary_gathered_is_suggested_only_where_it_costs_no_pea
     assert run([*nllb, *features, "--keep-vocabulary-gathered"])["free_speedup"] is None
 
 
+@pytest.mark.e2e
 def test_a_training_command_is_estimated_as_the_trainer_describes_it(
     cli: dict[str, subprocess.CompletedProcess], corpus: Path
 ) -> None:
@@ -365,6 +368,7 @@ def test_a_training_command_is_estimated_as_the_trainer_describes_it(
         flags_from_training_command([], [str(corpus), "--arch", "no_such_arch"])
 
 
+@pytest.mark.e2e
 def test_bad_input_is_one_line_naming_the_flag(
     cli: dict[str, subprocess.CompletedProcess]
 ) -> None:
@@ -374,6 +378,7 @@ def test_bad_input_is_one_line_naming_the_flag(
         "fairseq-shard-estimate: error: --world-size must be at least 1, got 0")
 
 
+@pytest.mark.e2e
 def test_a_hydra_config_gives_the_same_estimate_as_its_flags(
     cli: dict[str, subprocess.CompletedProcess]
 ) -> None:

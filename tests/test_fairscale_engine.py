@@ -30,6 +30,8 @@ from fairseq_shard_plugin.training.validation import ShardingConfigError, check_
 
 from tiny_training import TINY, sharded_config
 
+pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
+
 VARIANTS = {
     "fp32": [],
     "fp16": ["--fp16"],

@@ -36,6 +36,8 @@ from benchmarks.harness import (
     tool,
 )
 
+pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
+
 UPDATES = 6  # over two epochs of fairseq's dummy data (batches of max_tokens)
 TRAIN = ["--optimizer", "adam", "--lr", "1e-3", "--max-update", str(UPDATES),
          "--save-interval-updates", "2", "--seed", "1",

@@ -14,6 +14,8 @@ import pytest
 
 from benchmarks.harness import run_command
 
+pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
+
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = REPO / "fairseq_shard_plugin"
 

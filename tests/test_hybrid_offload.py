@@ -41,6 +41,8 @@ from fairseq_shard_plugin.training.launch_env import (
 
 from tiny_training import SHARDED, TINY, relative_difference, reshard
 
+pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
+
 UPDATES = 6
 OFFLOAD_UPDATES = 4
 CHECKSUMS = REPO / "tests" / "helpers" / "train_with_checksums.py"

@@ -23,6 +23,8 @@ from benchmarks.harness import (
 )
 from fairseq_shard_plugin.sharding.options import ShardingConfig
 
+pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
+
 CONFIGS = REPO / "configs" / "nllb"
 
 

@@ -7,7 +7,11 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from benchmarks.harness import REPO, free_port, tool
+
+pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
 
 
 def test_local_shard_adam_equals_dtensor_adam_and_keeps_dtensor_state(tmp_path: Path) -> None:

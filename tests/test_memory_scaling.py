@@ -13,6 +13,8 @@ import pytest
 from benchmarks.harness import RunResult
 from benchmarks.scaling import measure_scaling, peak_bytes, state_gib
 
+pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
+
 
 @pytest.fixture(scope="module")
 def runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:

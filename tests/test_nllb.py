@@ -23,6 +23,8 @@ from fairseq_shard_plugin.tasks.multilingual_config import (
     task_parser,
 )
 
+pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
+
 register()  # the plugin's tasks, criterion and architectures, as --user-dir does
 
 VOCABULARY = 256_206

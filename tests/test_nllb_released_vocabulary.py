@@ -127,6 +127,7 @@ def test_every_form_of_the_language_list_gives_the_same_order(
     assert task.source_dictionary.index("__zul_Latn__") == first + len(LANGUAGES) - 1
 
 
+@pytest.mark.e2e
 def test_finetuning_from_a_checkpoint_in_the_released_layout(
     multilingual: Path, tmp_path: Path
 ) -> None:

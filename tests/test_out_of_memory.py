@@ -22,6 +22,8 @@ from fairseq_shard_plugin.training.out_of_memory import smaller_step_advice
 
 from tiny_training import TINY, sharded_config
 
+pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
+
 OOM_HELPER = REPO / "tests" / "helpers" / "train_with_oom.py"
 STOPPED_WITHIN_S = 120  # a hang would run until this timeout
 

@@ -34,6 +34,8 @@ from benchmarks.harness import (
 
 from tiny_training import REFERENCE_UPDATES, TINY
 
+pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
+
 UPDATES = REFERENCE_UPDATES
 TOLERANCE = {"fp16": 1e-3, "bf16": 5e-3, "16-bit state": 1e-3}
 # the run's flags; "16-bit state" also saves at update 25, for the resume below

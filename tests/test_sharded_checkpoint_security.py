@@ -244,6 +244,7 @@ def test_crafted_metadata_is_refused_on_every_read_path(
     assert not marker.exists()
 
 
+@pytest.mark.e2e
 def test_the_verify_command_refuses_crafted_metadata(genuine: _Genuine, tmp_path: Path) -> None:
     """The installed fairseq-shard-verify, as a user runs it."""
     command = Path(sys.executable).parent / "fairseq-shard-verify"

@@ -25,6 +25,8 @@ from fairseq_shard_plugin.training.data_position import convert_position, record
 
 from tiny_training import REFERENCE_UPDATES, TINY, relative_difference
 
+pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
+
 # Variants train this many updates and compare with the reference runs' first ones.
 UPDATES = 20
 

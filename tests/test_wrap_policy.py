@@ -132,6 +132,7 @@ def test_root_unit_only_reproduces_stock_plan(corpus: Path) -> None:
     assert not any("embed_positions" in name for name in unit_names(model))
 
 
+@pytest.mark.e2e
 def test_only_the_vocabulary_unit_reduces_in_16_bit_when_asked(corpus: Path) -> None:
     command = [sys.executable, str(REPO / "tests" / "helpers" / "vocabulary_reduce_policy.py"),
                str(corpus), "--task", "sharded_translation", "--arch", "transformer",
