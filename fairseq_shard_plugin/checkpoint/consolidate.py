@@ -1,11 +1,18 @@
 """``fairseq-shard-consolidate``: a standard fairseq checkpoint for inference.
 
 Reads a training checkpoint of a sharded run (a save dir, meaning its
-``checkpoint_last.pt``, or a checkpoint file; full or ``--checkpoint-format sharded``,
-whose shards it gathers in one process), drops the optimizer state and writes the
-full model weights, optionally cast to fp16/bf16, as an ordinary fairseq checkpoint that
-``fairseq-generate --path`` and ``TransformerModel.from_pretrained`` load (with the plugin
-as ``--user-dir``, which allows the checkpoint's config types under ``weights_only``).
+``checkpoint_last.pt``, or a checkpoint file; full or ``--checkpoint-format sharded``),
+drops the optimizer state and writes the full model weights, optionally cast to
+fp16/bf16, as an ordinary fairseq checkpoint that ``fairseq-generate --path`` and
+``TransformerModel.from_pretrained`` load (with the plugin as ``--user-dir``, which allows
+the checkpoint's config types under ``weights_only``).
+
+:func:`export_consolidated` streams: it reads the checkpoint's pickle only (tensors as
+``meta``), then writes each model tensor in turn, read from the full file or from the
+chunks of the DCP shards (``stored_tensors``) and cast as it is read, straight into the
+output (``streaming_writer``); the optimizer state is never read. Peak memory: the largest
+tensor in its output dtype. :func:`read_full_state` instead gathers every tensor,
+optimizer state included, for code that needs all of it.
 """
 
 from __future__ import annotations
@@ -23,16 +30,29 @@ from fairseq_shard_plugin.checkpoint.atomic_files import (
 from fairseq_shard_plugin.checkpoint.errors import describe_unreadable
 from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
 from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
+from fairseq_shard_plugin.checkpoint.shard_metadata import SafeFileSystemReader
 from fairseq_shard_plugin.checkpoint.sharded import (
     SHARDED_KEY,
     ShardedCheckpointError,
     fill_tensors,
     full_tensors,
     is_sharded_index,
+    read_shard_metadata,
+    shard_directory,
+    tensor_paths,
 )
+from fairseq_shard_plugin.checkpoint.stored_tensors import (
+    StoredTensorError,
+    StreamedTensor,
+    check_byte_order,
+    dcp_tensors,
+    stored_block,
+)
+from fairseq_shard_plugin.checkpoint.streaming_writer import LazyTensor, write_checkpoint
 from fairseq_shard_plugin.errors import ShardPluginError
 
-_DTYPES = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
+# what an inference checkpoint leaves out of a training checkpoint
+_DROPPED = ("last_optimizer_state", SHARDED_KEY)
 
 
 class ConsolidateError(ShardPluginError, ValueError):
@@ -49,54 +69,99 @@ def resolve_checkpoint(source: str | Path) -> Path:
     return path
 
 
-def read_full_state(path: Path) -> dict[str, Any]:
-    """The checkpoint's full state (CPU tensors), read with ``weights_only=True``."""
+def _load(path: Path, map_location: str) -> Any:
+    """``torch.load`` with ``weights_only=True`` (mmap: tensors are mapped, not read); a damaged
+    file in one line."""
     allow_fairseq_checkpoint_types()
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except Exception as error:
         raise ConsolidateError(describe_unreadable(path, error)) from error
     damaged = [] if is_sharded_index(state) else damaged_zip_entries(path)
     if damaged:
         raise ConsolidateError(corruption_message(path, damaged))
+    return state
+
+
+def _require_fairseq_checkpoint(path: Path, state: Any) -> None:
+    if not isinstance(state, dict) or "model" not in state or "cfg" not in state:
+        raise ConsolidateError(f"{path}: not a fairseq checkpoint (no 'model' and 'cfg')")
+
+
+def read_full_state(path: Path) -> dict[str, Any]:
+    """The checkpoint's full state (CPU tensors, optimizer state included; a sharded
+    checkpoint's shards gathered in this process), read with ``weights_only=True``."""
+    state = _load(path, "cpu")
     if is_sharded_index(state):  # --checkpoint-format sharded: gather the DCP shards
         try:
             tensors = full_tensors(path, state)
         except ShardedCheckpointError as error:
             raise ConsolidateError(str(error)) from error
         state = fill_tensors({k: v for k, v in state.items() if k != SHARDED_KEY}, tensors)
-    if not isinstance(state, dict) or "model" not in state or "cfg" not in state:
-        raise ConsolidateError(f"{path}: not a fairseq checkpoint (no 'model' and 'cfg')")
+    _require_fairseq_checkpoint(path, state)
     return state
 
 
-def inference_state(state: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
-    """The checkpoint without optimizer state; floating weights cast to ``dtype`` if given."""
-    exported = {key: value for key, value in state.items() if key != "last_optimizer_state"}
-    converted: dict[tuple, torch.Tensor] = {}  # tied weights (one tensor) stay one tensor
+def _with_shards(path: Path, index: dict[str, Any], exported: dict[str, Any],
+                 dtype: torch.dtype | None) -> Any:
+    """``exported`` (an index's entries) with each reference replaced by the tensor DCP
+    stored in chunks, model tensors cast to ``dtype``."""
+    read_shard_metadata(path, index)  # the one-line checks, checksums included
+    directory = shard_directory(path, index)
+    metadata = SafeFileSystemReader(directory).read_metadata()
+    tensors = dcp_tensors(directory, metadata, tensor_paths(exported))
+    cast = {p: t.cast(dtype) if p.startswith("model/") else t for p, t in tensors.items()}
+    return fill_tensors(exported, cast)
 
-    def convert(tensor: torch.Tensor) -> torch.Tensor:
-        key = (tensor.untyped_storage().data_ptr() or id(tensor), tensor.storage_offset(),
-               tuple(tensor.shape), tensor.stride())
-        if key not in converted:
-            converted[key] = (tensor.to(dtype) if dtype is not None
-                              and tensor.is_floating_point() else tensor).clone()
-        return converted[key]
 
-    exported["model"] = {name: convert(tensor) for name, tensor in state["model"].items()}
-    return exported
+class _TensorsInFile:
+    """Meta tensors of a checkpoint file as streamed tensors: a storage seen under several
+    names (a tied weight) becomes one, hence is written once."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.planned: dict[tuple, StreamedTensor] = {}
+
+    def __call__(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> LazyTensor:
+        block = stored_block(self.path, tensor)
+        streamed = StreamedTensor(block.shape, block.dtype, (block,)).cast(dtype)
+        return self.planned.setdefault((block, streamed.dtype), streamed)
+
+
+def _inference_plan(path: Path, state: dict[str, Any], dtype: torch.dtype | None
+                    ) -> tuple[Any, _TensorsInFile]:
+    """The checkpoint without optimizer state, its model tensors streamed (and cast) from
+    the file or its shards; the plan streams any other tensor the state holds."""
+    check_byte_order(str(path), path)
+    plan = _TensorsInFile(path)
+    exported = {key: value for key, value in state.items() if key not in _DROPPED}
+    if is_sharded_index(state):
+        return _with_shards(path, state, exported, dtype), plan
+    exported["model"] = {name: plan(value, dtype) if isinstance(value, torch.Tensor) else value
+                         for name, value in state["model"].items()}
+    return exported, plan
 
 
 def export_consolidated(
     source: str | Path, destination: str | Path, dtype: torch.dtype | None = None
 ) -> Path:
-    """Write the inference checkpoint of ``source`` to ``destination`` (atomically)."""
-    state = inference_state(read_full_state(resolve_checkpoint(source)), dtype)
+    """Write the inference checkpoint of ``source`` to ``destination`` (atomically), one
+    tensor at a time."""
+    path = resolve_checkpoint(source)
+    state = _load(path, "meta")  # the pickle only: tensors on the meta device
+    _require_fairseq_checkpoint(path, state)
+    try:
+        exported, plan = _inference_plan(path, state, dtype)
+    except (ShardedCheckpointError, StoredTensorError) as error:
+        raise ConsolidateError(str(error)) from error
     destination = Path(destination)
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise WriteError(f"could not create the directory {destination.parent}: "
                          f"{describe_os_error(error)}") from error
-    write_atomically(destination, lambda out: torch.save(state, out))
+    try:
+        write_atomically(destination, lambda out: write_checkpoint(out, exported, plan))
+    except StoredTensorError as error:
+        raise ConsolidateError(str(error)) from None
     return destination

@@ -1,5 +1,6 @@
 """``fairseq-shard-consolidate``: a standard fairseq checkpoint (model weights) from a run's
-checkpoint, full or sharded (:mod:`..checkpoint.consolidate`)."""
+checkpoint, full or sharded (:mod:`..checkpoint.consolidate`), written one tensor at a time:
+the optimizer state is never read, and the peak host memory is about the largest tensor."""
 
 from __future__ import annotations
 
