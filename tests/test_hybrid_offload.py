@@ -22,7 +22,9 @@ from benchmarks.harness import (
     REPO,
     RunResult,
     free_port,
+    in_threads,
     parse_logs,
+    result_of,
     run_like_srun,
     run_training,
     tool,
@@ -160,15 +162,38 @@ def offload_pair(
             run_as_srun(args, ranks=2))
 
 
+def test_one_rank_with_offload_trains_as_two_sharded_ranks_and_as_unsharded_fairseq(
+    corpus: Path, tmp_path: Path, offload_pair: tuple[RunResult, RunResult]
+) -> None:
+    """World size 1 (one GPU, or here one CPU process) with --cpu-offload: the same batches
+    as 2 ranks when it accumulates 2 micro-batches per update, and the same losses as
+    stock fairseq on one process."""
+    args = sharded_args(corpus, tmp_path, OFFLOAD_UPDATES) + ["--no-save", "--update-freq", "2"]
+    runs = in_threads({
+        "alone": lambda: run_training(args + ["--cpu-offload"], nproc=1, plugin=True),
+        "stock": lambda: run_training(  # fairseq's own task: no plugin
+            [("translation" if a == "sharded_translation" else a) for a in args],
+            nproc=1, plugin=False)})
+    alone, stock = result_of(runs, "alone"), result_of(runs, "stock")
+    assert "sharded over 1 ranks with fsdp2" in alone.output
+    _, two_ranks = offload_pair
+    for key in ("loss", "gnorm"):
+        series = alone.series("train_inner", key)
+        assert len(series) == OFFLOAD_UPDATES
+        assert relative_difference(series, two_ranks.series("train_inner", key)) <= 1e-3, key
+        assert relative_difference(series, stock.series("train_inner", key)) <= 1e-3, key
+
+
 def test_offloaded_run_reaches_the_same_loss(offload_pair: tuple[RunResult, RunResult]) -> None:
     offloaded, resident = offload_pair
     for key in ("loss", "gnorm"):
         series = offloaded.series("train_inner", key)
         assert len(series) == OFFLOAD_UPDATES
         assert relative_difference(series, resident.series("train_inner", key)) <= 1e-6, key
-    # Adam on offloaded shards is torch's, never apex's FusedAdam (GPU state only)
-    assert "Adam steps on the host with torch's implementation" in offloaded.output
-    assert "Adam steps on the host" not in resident.output
+    # Adam on offloaded shards is the plugin's (torch's fused CPU kernel), never apex's
+    # FusedAdam (GPU state only)
+    assert "fused implementation: fp32 parameters, fp32 moments, on the host" in offloaded.output
+    assert "fused implementation" not in resident.output
 
 
 def test_each_rank_of_a_node_gets_its_share_of_the_host_threads() -> None:
