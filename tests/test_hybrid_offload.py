@@ -31,6 +31,7 @@ from benchmarks.harness import (
     training_args,
 )
 from fairseq_shard_plugin.checkpoint.consolidate import read_full_state
+from fairseq_shard_plugin.checkpoint.sharded import is_sharded_index
 from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.memory.meters import LiveTensorMeter
 from fairseq_shard_plugin.sharding.options import ShardingConfig
@@ -167,15 +168,21 @@ def test_one_rank_with_offload_trains_as_two_sharded_ranks_and_as_unsharded_fair
 ) -> None:
     """World size 1 (one GPU, or here one CPU process) with --cpu-offload: the same batches
     as 2 ranks when it accumulates 2 micro-batches per update, and the same losses as
-    stock fairseq on one process."""
-    args = sharded_args(corpus, tmp_path, OFFLOAD_UPDATES) + ["--no-save", "--update-freq", "2"]
+    stock fairseq on one process. Offloaded, it saves in the sharded format (a full save
+    would gather the whole state in host memory) and says so."""
+    def args(save_dir: Path, task: str) -> list[str]:
+        return [(task if a == "sharded_translation" else a)
+                for a in sharded_args(corpus, save_dir, OFFLOAD_UPDATES)] + ["--update-freq", "2"]
+
     runs = in_threads({
-        "alone": lambda: run_training(args + ["--cpu-offload"], nproc=1, plugin=True),
-        "stock": lambda: run_training(  # fairseq's own task: no plugin
-            [("translation" if a == "sharded_translation" else a) for a in args],
-            nproc=1, plugin=False)})
+        "alone": lambda: run_training(args(tmp_path, "sharded_translation") + ["--cpu-offload"],
+                                      nproc=1, plugin=True),
+        "stock": lambda: run_training(args(tmp_path / "stock", "translation"), nproc=1,
+                                      plugin=False)})  # fairseq's own task: no plugin
     alone, stock = result_of(runs, "alone"), result_of(runs, "stock")
     assert "sharded over 1 ranks with fsdp2" in alone.output
+    assert "--cpu-offload: checkpoints are saved in the sharded format" in alone.output
+    assert is_sharded_index(torch.load(tmp_path / "checkpoint_last.pt", weights_only=True))
     _, two_ranks = offload_pair
     for key in ("loss", "gnorm"):
         series = alone.series("train_inner", key)

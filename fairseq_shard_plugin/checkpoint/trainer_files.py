@@ -29,7 +29,7 @@ from fairseq_shard_plugin.checkpoint.sharded import (
 )
 from fairseq_shard_plugin.checkpoint.stock_optimizer_state import adopt_stock_optimizer_state
 from fairseq_shard_plugin.sharding.full_state import share_tied_tensors
-from fairseq_shard_plugin.sharding.options import sharding_options
+from fairseq_shard_plugin.sharding.options import checkpoint_format
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def checkpoint_state(trainer: Any, stock_state: Callable[[], dict[str, Any]]) ->
     has written this rank's shards. A collective: every rank calls it at each save."""
     state = stock_state()
     state["model"] = share_tied_tensors(state["model"], trainer.model)  # stored once
-    if sharding_options(trainer.cfg.task).checkpoint_format == "sharded":
+    if checkpoint_format(trainer.cfg) == "sharded":
         return save_sharded(state, trainer.cfg.checkpoint.save_dir, trainer.get_num_updates())
     return trainer.engine.full_state(state, trainer.optimizer.optimizer)
 

@@ -31,7 +31,11 @@ from fairseq_shard_plugin.memory.estimate import (
 )
 from fairseq_shard_plugin.memory.estimate import run as run_estimator
 from fairseq_shard_plugin.memory.model import GIB, ModelShape
-from fairseq_shard_plugin.sharding.options import MODELLED_FLAGS, sharding_options
+from fairseq_shard_plugin.sharding.options import (
+    MODELLED_FLAGS,
+    checkpoint_format,
+    sharding_options,
+)
 from fairseq_shard_plugin.sharding.settings import ranks_per_node
 
 logger = logging.getLogger(__name__)
@@ -170,8 +174,8 @@ def run_description(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> 
         flags.append("--cpu-offload")
     if cfg.distributed_training.no_reshard_after_forward:
         flags.append("--no-reshard-after-forward")
-    if options.checkpoint_format != "full":
-        flags += ["--checkpoint-format", str(options.checkpoint_format)]
+    if checkpoint_format(cfg) != "full":
+        flags += ["--checkpoint-format", checkpoint_format(cfg)]
     return RunDescription(flags, shape)
 
 

@@ -15,7 +15,7 @@ from fairseq.dataclass.utils import gen_parser_from_dataclass
 
 SHARD_ENGINES = ChoiceEnum(["fsdp2", "fairscale"])
 SHARD_STRATEGIES = ChoiceEnum(["full", "hybrid"])
-CHECKPOINT_FORMATS = ChoiceEnum(["full", "sharded"])
+CHECKPOINT_FORMATS = ChoiceEnum(["auto", "full", "sharded"])
 
 
 # what --save-on-signal catches by default (Slurm sends SIGUSR1 before the time limit
@@ -117,14 +117,26 @@ class ShardingConfig(FairseqDataclass):
         },
     )
     checkpoint_format: CHECKPOINT_FORMATS = field(  # type: ignore[valid-type]
-        default="full",
+        default="auto",
         metadata={
-            "help": "full: standard fairseq checkpoints (full tensors gathered to rank 0); "
+            "help": "auto: sharded under --cpu-offload with the fsdp2 engine (a full save "
+            "would gather the model and optimizer state in rank 0's host memory), full "
+            "otherwise; full: standard fairseq checkpoints (full tensors gathered to rank 0); "
             "sharded: each rank writes its own shards (torch.distributed.checkpoint) under "
             "checkpoint_shards/ and the usual names hold a small index; both resume on any "
             "number of ranks and fairseq-shard-consolidate reads both"
         },
     )
+
+
+def checkpoint_format(cfg: Any) -> str:
+    """``--checkpoint-format`` of the run, ``auto`` resolved (see its help): ``full`` or
+    ``sharded``."""
+    chosen = sharding_options(cfg.task).checkpoint_format
+    if chosen != "auto":
+        return chosen
+    offloaded = bool(cfg.distributed_training.cpu_offload)
+    return "sharded" if offloaded and sharding_options(cfg.task).shard_engine == "fsdp2" else "full"
 
 
 # the modelled boolean options by field name (``root_unit_only`` -> ``--root-unit-only``)

@@ -50,7 +50,7 @@ from fairseq_shard_plugin.memory.run_estimate import (
 from fairseq_shard_plugin.sharding.full_state import loading_full_tensors_into_shards
 from fairseq_shard_plugin.sharding.gradients import max_over_ranks
 from fairseq_shard_plugin.sharding.optimizer import build_sharded_optimizer
-from fairseq_shard_plugin.sharding.options import sharding_options
+from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
 from fairseq_shard_plugin.sharding.parallelize import parallelize
 from fairseq_shard_plugin.sharding.settings import ShardingSettings
 from fairseq_shard_plugin.training import signal_stop
@@ -105,13 +105,20 @@ def _offload_hidden(trainer: Any, dist_cfg: Any) -> Iterator[None]:
 
 
 def _log_flags_taken_over(cfg: Any, settings: ShardingSettings) -> None:
-    """Name fairseq's FSDP flags the plugin does not use, and what ZeRO-2 costs."""
+    """Name fairseq's FSDP flags the plugin does not use, what ZeRO-2 costs, and the
+    checkpoint format chosen for offloaded runs."""
     for flag in ignored_fsdp_flags(cfg):
         logger.info(f"ignored under the plugin: {flag}")
     if not settings.reshard.layers:
         logger.info("--no-reshard-after-forward: every unit stays gathered from its forward "
                     "to its backward (no all-gathers in backward; the whole model's "
                     "gathered copy is live at the peak)")
+    if sharding_options(cfg.task).checkpoint_format == "auto" and (
+            checkpoint_format(cfg) == "sharded"):
+        logger.info("--cpu-offload: checkpoints are saved in the sharded format (each rank "
+                    "writes its own shards; a full save would gather the whole model and "
+                    "optimizer state in rank 0's host memory); --checkpoint-format full "
+                    "for single files, fairseq-shard-consolidate for one afterwards")
 
 
 class ShardedTrainer(Trainer):
@@ -384,7 +391,7 @@ class ShardedTrainer(Trainer):
         try:
             line, too_little = space_report(
                 checkpoint.save_dir, full_state_bytes(triples, self.shard_group_size),
-                self.sharding_options.checkpoint_format)
+                checkpoint_format(self.cfg))
         except OSError as error:  # a notice only: never a reason to stop training
             logger.info(f"free space of {checkpoint.save_dir} unknown: {error}")
             return

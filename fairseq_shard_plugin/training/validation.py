@@ -8,7 +8,7 @@ from typing import Any
 from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_WRAP
 
 from fairseq_shard_plugin.errors import ShardingConfigError
-from fairseq_shard_plugin.sharding.options import sharding_options
+from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
 from fairseq_shard_plugin.sharding.settings import shard_group_size
 from fairseq_shard_plugin.training.launch_env import launched_by_torchrun, uses_cuda
 from fairseq_shard_plugin.training.signal_stop import parse_signals
@@ -73,7 +73,7 @@ def _check_plugin_options(cfg: Any) -> None:
         parse_signals(options.save_on_signal)
     except ValueError as error:
         raise ShardingConfigError(str(error)) from None
-    if options.checkpoint_format == "sharded" and options.shard_engine != "fsdp2":
+    if checkpoint_format(cfg) == "sharded" and options.shard_engine != "fsdp2":
         raise ShardingConfigError(
             "--checkpoint-format sharded writes DTensor shards and needs --shard-engine fsdp2: "
             "use --checkpoint-format full with the fairscale engine"
