@@ -10,8 +10,10 @@ the same gradients and the same existing Adam state:
 - the plugin's Adam (``sharding/sharded_adam.py``: torch's fused kernel in pieces, with
   fairseq's epsilon), with fp32 and with 16-bit moments, and over 16-bit parameters.
 
-Each is timed over its second step (the first creates the state), and its result is
-compared with fairseq's (largest parameter difference relative to the update's size).
+Each is timed over the fastest of three steps after the first (which creates the state),
+and its result is compared with fairseq's (the largest parameter difference, next to the
+largest update). NLLB's epsilon (1e-6) is large next to small gradients, so where it enters
+matters: torch's AdamW adds it after the bias correction, fairseq before.
 
     python -m benchmarks.host_adam                # 2 ranks' shards, this host's threads
 """
@@ -29,7 +31,8 @@ import torch
 from benchmarks.harness import write_results
 
 VOCABULARY, DIM, FFN, LAYERS = 256206, 1024, 4096, 12
-SETTINGS = dict(lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0)
+SETTINGS = dict(lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0)  # NLLB's
+TIMED_STEPS = 3  # after the first (which creates the state); the fastest is reported
 
 
 def nllb_600m_shapes() -> list[tuple[int, ...]]:
@@ -86,7 +89,7 @@ def measure(name: str, shapes: list[tuple[int, ...]]) -> tuple[dict, list[torch.
     params = [p.requires_grad_() for p in make_tensors(shapes, 0, 0.02, dtype)]
     optimizer = make(params)
     seconds = []
-    for step in range(2):
+    for step in range(1 + TIMED_STEPS):
         for param, grad in zip(params, make_tensors(shapes, step + 1, 1e-3, dtype),
                                strict=True):
             param.grad = grad
@@ -100,7 +103,7 @@ def measure(name: str, shapes: list[tuple[int, ...]]) -> tuple[dict, list[torch.
     gc.collect()
     elements = sum(torch.Size(s).numel() for s in shapes)
     return {"implementation": name, "elements": elements, "first_step_s": seconds[0],
-            "step_s": seconds[1]}, result
+            "step_s": min(seconds[1:])}, result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,9 +130,10 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
     note = (f"One Adam step over rank 0's shards of nllb_dense_600m at world size "
             f"{options.world_size} ({rows[0]['elements'] / 1e6:.0f}M elements), "
-            f"{options.threads} threads, on this host's CPU; step: the second step, with "
-            "Adam's state existing; difference: the largest parameter difference from "
-            "fairseq's Adam after two steps (the 16-bit-parameter row includes bf16 "
+            f"{options.threads} threads, on this host's CPU; step: one step with "
+            "Adam's state existing (fastest of 3); difference: the largest parameter "
+            f"difference from fairseq's Adam after {1 + TIMED_STEPS} steps (the "
+            "16-bit-parameter row includes bf16 "
             "rounding of the parameters). Produced by `python -m benchmarks.host_adam "
             f"--world-size {options.world_size} --threads {options.threads}`.")
     columns = [("implementation", "implementation"), ("step (s)", "step_s"),

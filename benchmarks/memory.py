@@ -86,6 +86,10 @@ OPTIONAL_CONFIGURATIONS = (
     Configuration("nllb-settings+16-bit-state", "... and --fp16-adam-stats: 16-bit moments "
                   "too (8 B per parameter, Meta's NLLB recipe)", None,
                   (*NLLB_SETTINGS, "--memory-efficient-bf16", "--fp16-adam-stats")),
+    Configuration("nllb-settings+16-bit-state+offload", "... and --cpu-offload: the model "
+                  "state on the host (configs/nllb/finetune_3_3b_1gpu.yaml at world size 1)",
+                  None, (*NLLB_SETTINGS, "--memory-efficient-bf16", "--fp16-adam-stats",
+                         "--cpu-offload")),
     Configuration("plugin+cross-entropy", "fairseq's cross_entropy criterion (no label "
                   "smoothing) instead of label_smoothed_cross_entropy", None,
                   ("--criterion", "cross_entropy")),

@@ -22,20 +22,48 @@ from omegaconf.errors import OmegaConfBaseException
 _NAMED_BY_GROUP = {"model": "arch", "optimizer": "optimizer", "criterion": "criterion"}
 
 
-def defaults_from_hydra_config(
-    path: str, options: dict[str, Sequence[str] | None]
-) -> dict[str, Any]:
-    """The values the config at ``path`` gives the estimator's ``options`` (each with its
-    choices, or None); absent or ``???`` keys are left to the flags' defaults. A config it
-    cannot use raises ``ValueError``."""
-    if not Path(path).is_file():
-        raise ValueError("no such file")
+def _read(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ValueError("no such file" if not path.name.endswith(".yaml")
+                         else f"no such file: {path}")
     try:
         config = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     except (OmegaConfBaseException, ValueError, yaml.YAMLError) as error:
         raise ValueError(f"not a YAML config ({' '.join(str(error).split())})") from None
     if not isinstance(config, dict):
         raise ValueError("not a fairseq-hydra-train config (groups such as model, common, task)")
+    return config
+
+
+def _with_its_bases(path: Path) -> dict[str, Any]:
+    """The config at ``path`` over the configs of the same directory its defaults list
+    names (``- finetune_3_3b``), as Hydra composes them with ``_self_`` last; entries of
+    config groups (``- corpus: multilingual``: data, not memory) are not read."""
+    config = _read(path)
+    composed: dict[str, Any] = {}
+    for entry in config.get("defaults") or []:
+        if isinstance(entry, str) and entry != "_self_":
+            composed = _merged(composed, _with_its_bases(path.parent / f"{entry}.yaml"))
+    own = {key: value for key, value in config.items() if key != "defaults"}
+    return _merged(composed, own)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        merged[key] = (_merged(merged[key], value)
+                       if isinstance(value, dict) and isinstance(merged.get(key), dict)
+                       else value)
+    return merged
+
+
+def defaults_from_hydra_config(
+    path: str, options: dict[str, Sequence[str] | None]
+) -> dict[str, Any]:
+    """The values the config at ``path`` gives the estimator's ``options`` (each with its
+    choices, or None); absent or ``???`` keys are left to the flags' defaults. A config it
+    cannot use raises ``ValueError``."""
+    config = _with_its_bases(Path(path))
     defaults: dict[str, Any] = {}
     for group, values in config.items():
         if group == "hydra" or not isinstance(values, dict):

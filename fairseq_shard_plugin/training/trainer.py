@@ -141,9 +141,11 @@ class ShardedTrainer(Trainer):
         self._run_description = describe_run(cfg, model, self.shard_group_size)
         sharded = parallelize(model, self.settings)
         self.sharding_plan, self.engine = sharded.plan, sharded.engine
-        logger.info("sharded over %d ranks with %s: %s; compute in %s, fp32 master shards",
+        logger.info("sharded over %d ranks with %s: %s; compute in %s, %s",
                     dist.get_world_size(), self.settings.engine, sharded.description,
-                    self.compute_dtype or torch.float32)
+                    self.compute_dtype or torch.float32,
+                    "16-bit parameter shards" if self.settings.sixteen_bit_parameters
+                    else "fp32 master shards")
         if self.offload and use_cuda:
             # torchrun sets OMP_NUM_THREADS=1; the offloaded optimizer step runs on the host
             threads = host_threads_per_rank()
