@@ -690,3 +690,22 @@ def test_the_cli_reports_16_bit_state_and_host_memory(capsys: pytest.CaptureFixt
     for label in ("Host GiB, this run", "per host (4 ranks)", *HOST_CASES,
                   "peak (sharded saves)", "GPU ranks"):
         assert label in out, label
+
+
+def test_a_config_is_read_with_its_defaults_list_in_hydras_order() -> None:
+    """finetune_3_3b_1gpu.yaml is finetune_3_3b.yaml with hardware/one_24gb_gpu.yaml over it
+    (a config of the same directory and a @package _global_ group entry)."""
+    from fairseq_shard_plugin.memory.estimate_config import defaults_from_hydra_config
+
+    options = {name: None for name in (
+        "arch", "optimizer", "criterion", "cpu_offload", "memory_efficient_fp16",
+        "fp16_adam_stats", "checkpoint_activations", "max_tokens", "checkpoint_format",
+        "keep_vocabulary_gathered", "loss_chunk_tokens")}
+    one_gpu = defaults_from_hydra_config(
+        str(REPO / "configs" / "nllb" / "finetune_3_3b_1gpu.yaml"), options)
+    assert one_gpu == {
+        "arch": "nllb_dense_3_3b", "optimizer": "adam",
+        "criterion": "chunked_label_smoothed_cross_entropy", "cpu_offload": True,
+        "memory_efficient_fp16": True, "fp16_adam_stats": True, "checkpoint_activations": True,
+        "max_tokens": 4096, "checkpoint_format": "sharded", "keep_vocabulary_gathered": True,
+        "loss_chunk_tokens": 1024}

@@ -96,7 +96,27 @@ def composed_finetune(
         "--cfg", "job", "--resolve")] for config in FINETUNE}
     commands["not given"] = [*unset, *hydra_command(
         "finetune_600m", "task.data=/data/nllb", "--cfg", "job", "--resolve")]
+    commands["one gpu"] = [*unset, *hydra_command(
+        "finetune_3_3b_1gpu", "task.data=/data/nllb",
+        f"checkpoint.finetune_from_model={RELEASED}", "--cfg", "job", "--resolve")]
     return run_concurrently(commands, cwd=tmp_path_factory.mktemp("compose_finetune"))
+
+
+def test_the_one_gpu_config_is_the_3_3b_finetuning_with_its_state_on_the_host(
+    composed_finetune: dict[str, subprocess.CompletedProcess]
+) -> None:
+    completed = composed_finetune["one gpu"]
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    job = OmegaConf.create(completed.stdout)
+    assert job.model._name == "nllb_dense_3_3b" and list(job.optimization.lr) == [5e-05]
+    assert job.checkpoint.finetune_from_model == RELEASED
+    dist = job.distributed_training
+    assert dist.cpu_offload and dist.distributed_world_size == 1
+    assert job.common.memory_efficient_fp16 and job.optimizer.fp16_adam_stats
+    assert job.model.checkpoint_activations
+    assert job.criterion._name == "chunked_label_smoothed_cross_entropy"
+    assert job.task.checkpoint_format == "sharded"
+    assert job.dataset.max_tokens == 4096 and list(job.optimization.update_freq) == [4]
 
 
 @pytest.mark.parametrize("config", FINETUNE)

@@ -36,16 +36,30 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _with_its_bases(path: Path) -> dict[str, Any]:
-    """The config at ``path`` over the configs of the same directory its defaults list
-    names (``- finetune_3_3b``), as Hydra composes them with ``_self_`` last; entries of
-    config groups (``- corpus: multilingual``: data, not memory) are not read."""
+    """The config at ``path`` composed with what its defaults list names, in the list's
+    order (``_self_`` last when absent), as Hydra composes: configs of the same directory
+    (``- finetune_3_3b``) and of config groups (``- hardware: one_24gb_gpu``, merged at the
+    root when the file says ``# @package _global_``, else under the group's name)."""
     config = _read(path)
+    entries = list(config.get("defaults") or [])
+    if "_self_" not in entries:
+        entries.append("_self_")
     composed: dict[str, Any] = {}
-    for entry in config.get("defaults") or []:
-        if isinstance(entry, str) and entry != "_self_":
-            composed = _merged(composed, _with_its_bases(path.parent / f"{entry}.yaml"))
-    own = {key: value for key, value in config.items() if key != "defaults"}
-    return _merged(composed, own)
+    for entry in entries:
+        if entry == "_self_":
+            part = {key: value for key, value in config.items() if key != "defaults"}
+        elif isinstance(entry, str):
+            part = _with_its_bases(path.parent / f"{entry}.yaml")
+        elif isinstance(entry, dict) and len(entry) == 1:
+            ((group, name),) = entry.items()
+            group_file = path.parent / str(group).lstrip("+") / f"{name}.yaml"
+            part = _with_its_bases(group_file)
+            if "@package _global_" not in group_file.read_text().split("\n", 1)[0]:
+                part = {str(group).lstrip("+"): part}
+        else:
+            continue
+        composed = _merged(composed, part)
+    return composed
 
 
 def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
