@@ -27,6 +27,7 @@ import atexit
 import json
 import os
 import runpy
+import select
 import signal
 import socket
 import subprocess
@@ -77,6 +78,7 @@ def _run_entry(argv: list[str]) -> int:
 
 def _become_rank(request: dict[str, Any], fds: list[int]) -> None:
     """In the forked rank: take the request's environment and outputs, run, exit."""
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # not the server's pipe
     os.dup2(fds[0], 1)
     os.dup2(fds[-1], 2)  # stderr: its own file, or the same as stdout
     for fd in fds:
@@ -115,7 +117,9 @@ def _monitor(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> No
 
 
 def serve(path: str) -> None:
-    """Preload fairseq, then fork one monitored process per connection, forever."""
+    """Preload fairseq, then fork one monitored process per connection, until the test
+    process ends: its end closes this server's stdin (a pipe from it), even when it is
+    killed before its exit handlers run."""
     for module in _PRELOAD:
         __import__(module)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # monitors are reaped by the kernel
@@ -124,6 +128,12 @@ def serve(path: str) -> None:
     listener.listen(64)
     print("ready", flush=True)
     while True:
+        readable, _, _ = select.select([listener, sys.stdin], [], [])
+        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
+            os.unlink(path)
+            return
+        if listener not in readable:
+            continue
         conn, _ = listener.accept()
         message, fds, _, _ = socket.recv_fds(conn, _MAX_REQUEST, 2)
         while chunk := conn.recv(_MAX_REQUEST):  # the client closes its side after sending
@@ -193,7 +203,7 @@ class ForkServer:
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                    MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self._server = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.forkserver", self.path],
+            [sys.executable, "-m", "benchmarks.forkserver", self.path], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, env=env, cwd=Path(__file__).resolve().parents[1])
         assert self._server.stdout is not None
         for line in self._server.stdout:  # fairseq's imports log a line or two first
