@@ -50,6 +50,8 @@ CHECKED = {
     "--save-on-signal: SIGFOO is not a signal": [
         "--task", "sharded_translation", "--save-on-signal", "usr1,foo"],
     "--restore-file /nowhere/model.pt: no such file": ["--restore-file", "/nowhere/model.pt"],
+    "--memory-efficient-bf16 keeps the shards in 16 bits, which only --optimizer adam": [
+        "--memory-efficient-bf16", "--optimizer", "sgd"],
 }
 ONE_RANK = ["--no-save"]
 # the last update's save writes no file: no last checkpoint, no validation (no best), not
