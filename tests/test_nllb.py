@@ -131,7 +131,7 @@ def test_both_entry_points_give_the_multilingual_task_its_stock_options(
     hydra_keys = {  # as a user writes them in a YAML config or as overrides
         "data": str(multilingual), "lang_pairs": stock.lang_pairs,
         "lang_dict": str(multilingual / "langs.txt"), "encoder_langtok": "src",
-        "decoder_langtok": True, "sampling_method": "temperature", "sampling_temperature": 1.5,
+        "decoder_langtok": True, "sampling_method": "temperature", "sampling_temperature": 1.0,
         "langtoks_specs": "main,dae", "extra_data": "{'mined': '/data/mined'}",
         "virtual_epoch_size": 1000, "lang_tok_replacing_bos_eos": True,
     }
