@@ -4,11 +4,11 @@
 # fairscale and their pure-Python dependencies into .whl/, which the call carries.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
 # Two parts (benchmarks/gpu_check.py says what each measures and how):
-#   1. benchmarks/results/gpu_check.{md,json}: four trainings at the NLLB-600M shape, world
+#   1. benchmarks/results/gpu_check.{md,json}: five trainings at the NLLB-600M shape, world
 #      size 1: stock fairseq's fairscale path as shipped (launched with no --user-dir, so no
 #      plugin hook is installed in that process), the plugin's two engines, the NLLB
-#      configs' memory features; CUDA peak allocated and reserved over the whole run, and
-#      the launcher of each row;
+#      configs (16-bit state), their memory features with fp32 masters (if time is left);
+#      CUDA peak allocated and reserved over the whole run, and the launcher of each row;
 #   2. benchmarks/results/gpu_memory_600m.{md,json,png}: the 600M table (README,
 #      docs/memory.md) measured with CUDA statistics, per rank at world size 2 (fake process
 #      group, one device; fairseq's CUDA gradient-norm consistency check is off there, as
@@ -18,8 +18,8 @@
 #   pip install of .whl/ (fairseq-fixed compiles its C++/Cython extensions)  140 s
 #   pip install of the plugin                                                  25 s
 #   nvidia-smi                                                                 10 s
-#   part 1, four trainings (at most 90 s each)                                185 s
-#   part 2, four configurations (at most 60 s each)                           120 s
+#   part 1, trainings (at most 90 s each; the fifth if time is left)          185 s
+#   part 2, configurations (at most 60 s each; the list may end early)      120 s
 # Each part writes its results after every run, and they are copied to $OUT (if set) when
 # the part ends, so a timeout keeps what finished. The script exits 0 with a summary of
 # what ran, whatever a step's outcome (2 only when it cannot start: no fairseq, no .whl/).
