@@ -182,3 +182,21 @@ def test_scales_come_from_the_maxima_over_ranks() -> None:
     state = optimizer.state[params[0]]
     assert state["exp_avg_scale"] == pytest.approx(1e-8 + 2 * float(seen[-1][0]) / 65504)
     assert float(state["exp_avg"].float().abs().max()) <= 65504 / 2 + 1
+
+
+def test_a_parameter_without_gradient_keeps_its_place_and_its_values() -> None:
+    """Every rank hands ``max_over_ranks`` one entry per parameter, whichever of its shards
+    has a gradient (an all-reduce of unequal lengths would fail), and skips the others."""
+    lengths: list[int] = []
+    params = start_params()
+    optimizer = ShardedAdam(params, fp16_moments=True,
+                            max_over_ranks=lambda maxima: lengths.append(len(maxima)),
+                            **SETTINGS)
+    for param, grad in zip(params, gradients(1)[0], strict=True):
+        param.grad = grad
+    params[0].grad = None
+    before = params[0].detach().clone()
+    optimizer.step()
+    assert lengths == [2 * len(SHAPES)]
+    assert torch.equal(params[0], before) and params[0] not in optimizer.state
+    assert optimizer.state[params[1]]["step"] == 1

@@ -91,11 +91,15 @@ class ShardedAdam(torch.optim.Optimizer):
         """One update; gradients are multiplied by ``grad_factor`` (in fp32) first."""
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            params = [param for param in group["params"] if param.grad is not None]
+            # every parameter has its place in the scales (the same on every rank, whichever
+            # of its shards has a gradient); only those with one are updated
+            params = group["params"]
             scales = self._next_scales(group, params, grad_factor) if self.fp16_moments else None
             for chunk in _chunks(params, self.state):
                 self._update(group, chunk, grad_factor, scales)
             for index, param in enumerate(params):
+                if param.grad is None:
+                    continue
                 state = self.state[param]
                 state["step"] = state.get("step", 0) + 1
                 if scales is not None:
@@ -111,6 +115,8 @@ class ShardedAdam(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         maxima = torch.zeros(len(params), 2)
         for index, param in enumerate(params):
+            if param.grad is None:
+                continue
             for start, stop in _pieces(param):
                 exp_avg, exp_avg_sq = _piece_moments(self.state[param], param, start, stop)
                 grad = _flat(param.grad)[start:stop].float().mul_(grad_factor)
@@ -213,12 +219,14 @@ def _largest_magnitude(tensor: torch.Tensor) -> float:
 
 def _chunks(params: list[torch.Tensor], state: dict[torch.Tensor, dict[str, Any]]
             ) -> Iterator[list[_Piece]]:
-    """The pieces of ``params`` in chunks of at most :data:`CHUNK_ELEMENTS` elements, each of
-    one step count and device (the kernel takes one epsilon and one device per call).
-    Decided per rank: the update has no collective."""
+    """The pieces of ``params`` with gradients in chunks of at most :data:`CHUNK_ELEMENTS`
+    elements, each of one step count and device (the kernel takes one epsilon and one
+    device per call). Decided per rank: the update has no collective."""
     chunk: list[_Piece] = []
     elements = 0
     for index, param in enumerate(params):
+        if param.grad is None:
+            continue
         key = (state[param].get("step", 0), param.device)
         for start, stop in _pieces(param):
             if chunk and (elements + stop - start > CHUNK_ELEMENTS or key != (
