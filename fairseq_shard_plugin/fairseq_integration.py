@@ -13,7 +13,10 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
 1. ``fsdp_enable_wrap`` / ``fsdp_wrap``: fairseq wraps the model (and, inside this context,
    each layer above ``--min-params-to-wrap``) in fairscale FSDP while building it, with no
    registry to choose another wrapper. The plugin leaves the model unwrapped here and
-   shards it by its own wrap policy when the trainer is built.
+   shards it by its own wrap policy when the trainer is built. Where the transformer
+   layer builders (``transformer_encoder``, ``transformer_decoder``) call ``fsdp_wrap``,
+   a sharded training's layer is sharded right away, as fairseq builds it (with the
+   settings hook 4 records), so no rank ever holds the whole fp32 model.
 2. ``Trainer``: ``train.py`` constructs ``fairseq.trainer.Trainer`` by name; under
    ``fully_sharded`` it becomes :class:`~fairseq_shard_plugin.training.trainer.ShardedTrainer`.
    That subclass overrides two of the Trainer's private methods, for want of public ones:
@@ -91,6 +94,7 @@ with one line naming its version.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import signal
@@ -117,6 +121,8 @@ from fairseq_shard_plugin.training.launch_env import apply_torchrun_environment
 from fairseq_shard_plugin.training.run_hooks import (
     active_trainer_loader,
     mark_export_follows_training,
+    settings_of_training,
+    training_with,
 )
 from fairseq_shard_plugin.training.signal_stop import stopped_by
 from fairseq_shard_plugin.training.validation import (
@@ -159,6 +165,36 @@ def _leave_unwrapped(module: Any, **kwargs: Any) -> Any:
     return module
 
 
+def _sharding_layers_as_built(stock_wrap: Callable[..., Any]) -> Callable[..., Any]:
+    """Replaces ``fsdp_wrap`` where the transformer layer builders call it (hook 1): in a
+    sharded training the layer is sharded right away (``parallelize.shard_layer_as_built``),
+    elsewhere fairseq's own (a no-op outside fairscale's wrapping context)."""
+    def wrap_layer(module: Any, **kwargs: Any) -> Any:
+        settings = settings_of_training()
+        if settings is None:
+            return stock_wrap(module, **kwargs)
+        from fairseq_shard_plugin.sharding.parallelize import shard_layer_as_built
+
+        return shard_layer_as_built(module, settings)
+
+    return _marked(wrap_layer, stock_wrap)
+
+
+def _layer_builder_modules() -> list[Any]:
+    """fairseq's modules whose layer builders call ``fsdp_wrap`` (present in 0.12 and the
+    nllb branch; a fairseq without one builds that model's layers unsharded, as before)."""
+    names = ("fairseq.models.transformer.transformer_encoder",
+             "fairseq.models.transformer.transformer_decoder",
+             "fairseq.models.transformer.transformer_decoder_aug")
+    modules = []
+    for name in names:
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    return [module for module in modules if callable(getattr(module, "fsdp_wrap", None))]
+
+
 def _select_trainer(stock_trainer: type) -> Callable[..., Any]:
     def make_trainer(cfg: Any, task: Any, model: Any, criterion: Any, quantizer: Any = None) -> Any:
         if is_sharded_run(cfg):
@@ -180,7 +216,8 @@ class _TrainThenExport:
 
     def __call__(self, cfg: Any, **kwargs: Any) -> Any:
         mark_export_follows_training()
-        result = self.main(cfg, **kwargs)
+        with training_with(_settings_of(cfg)):
+            result = self.main(cfg, **kwargs)
         signum = stopped_by()
         if signum is not None:  # saved and stopped early (hook 9): not the final model
             sys.exit(128 + signum)
@@ -192,6 +229,19 @@ class _TrainThenExport:
             written = export_consolidated(os.path.join(cfg.checkpoint.save_dir, last), target)
             logger.info(f"exported the final model to {written}")
         return result
+
+
+def _settings_of(cfg: Any) -> Any:
+    """The sharding settings of this rank's training (the process group joined first: a
+    single process without torchrun has none yet)."""
+    import torch.distributed as dist
+
+    from fairseq_shard_plugin.sharding.settings import ShardingSettings
+    from fairseq_shard_plugin.training.launch_env import ensure_process_group, uses_cuda
+
+    use_cuda = uses_cuda(cfg)
+    ensure_process_group(cfg, use_cuda)
+    return ShardingSettings.from_config(cfg, dist.get_world_size(), use_cuda)
 
 
 def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[..., Any]:
@@ -397,6 +447,9 @@ def install() -> None:
         module.Trainer = _select_trainer(module.Trainer)
         module.validate_and_save = _saving_on_signal(module.validate_and_save)
         setattr(module, _INSTALLED_MARK, True)
+    for module in _layer_builder_modules():
+        if not _is_plugin_hook(module.fsdp_wrap):
+            module.fsdp_wrap = _sharding_layers_as_built(module.fsdp_wrap)
     fairseq_meters.MaxMeter = MaxMeter
     stock_load_cpu = getattr(checkpoint_utils, "torch_load_cpu", None)  # nllb branch only
     if stock_load_cpu is not None and not _is_plugin_hook(stock_load_cpu):

@@ -340,8 +340,8 @@ def host_table(host: dict[str, Any]) -> str:
         lines.append("(CPU ranks: host memory is the device memory, so the training step is "
                      f"the peak above; the load counts its {file} file once per host)")
     else:
-        lines.append("(GPU ranks: each builds the full fp32 model on the host before "
-                     "sharding; a full save gathers on rank 0; the load counts its "
+        lines.append("(GPU ranks: each builds the model in fp32 on the host, sharding each "
+                     "layer as it is built; a full save gathers on rank 0; the load counts its "
                      f"{file} file once per host, mapped; --cpu for CPU ranks)")
     return "\n".join(lines)
 

@@ -458,10 +458,21 @@ class HostPeak:
     per_host: float
 
 
-def construction_host(shape: ModelShape, host: HostSetup) -> HostPeak:
-    """Building the model: each rank builds the whole fp32 model on the host before
-    sharding it, 4 B x all parameters per rank, all ranks of a node at once."""
-    per_rank = 4.0 * shape.parameters
+def construction_host(shape: ModelShape, setup: TrainingSetup, host: HostSetup
+                      ) -> HostPeak:
+    """Building the model: fairseq builds each rank's model in fp32 on the host, and the
+    plugin shards every transformer layer as soon as it is built
+    (``parallelize.shard_layer_as_built``). The peak, at the last layer: the parameters
+    outside the layers in fp32 (embeddings, norms), one layer in fp32, and the layers'
+    shards where they stay on the host (CPU ranks or ``--cpu-offload``; on a GPU they move
+    to it), all ranks of a node at once."""
+    layers = (shape.encoder_layers * shape.encoder_layer_parameters
+              + shape.decoder_layers * shape.decoder_layer_parameters)
+    outside_layers = shape.parameters - layers
+    largest_layer = max(shape.encoder_layer_parameters, shape.decoder_layer_parameters)
+    shards = (setup.param_bytes * layers / setup.world_size
+              if host.cpu or setup.cpu_offload else 0.0)
+    per_rank = 4.0 * (outside_layers + largest_layer) + shards
     return HostPeak(per_rank, host.ranks_per_node * per_rank)
 
 
@@ -528,7 +539,7 @@ def host_memory(shape: ModelShape, setup: TrainingSetup, host: HostSetup
     """Host memory of each case of :data:`HOST_CASES`."""
     result = estimate(shape, setup)
     return {
-        "model construction": construction_host(shape, host),
+        "model construction": construction_host(shape, setup, host),
         "training step": training_step_host(result, host),
         "save, full format": full_save_host(shape, setup, result, host),
         "save, sharded format": sharded_save_host(shape, setup, result, host),

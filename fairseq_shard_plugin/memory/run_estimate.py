@@ -45,7 +45,7 @@ MODELLED_OPTIMIZERS = ("adam", "sgd")
 # allocator's fragmentation and what the estimate leaves out.
 DEVICE_HEADROOM = 0.9
 # the host's peak case in the predicted host peak line
-HOST_CASE_WORDS = {"model construction": "building the model (the full fp32 model on each rank)",
+HOST_CASE_WORDS = {"model construction": "building the model (fp32, sharded layer by layer)",
                    "training step": "the training step",
                    "save, full format": "a full-format save (gathered on rank 0)",
                    "save, sharded format": "a sharded save"}

@@ -9,12 +9,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
-from fairseq_shard_plugin.sharding.engines import Engine, build_engine
+from fairseq_shard_plugin.sharding.engines import Engine, Fsdp2Engine, build_engine
 from fairseq_shard_plugin.sharding.precision import cast_buffers
 from fairseq_shard_plugin.sharding.settings import ShardingSettings
-from fairseq_shard_plugin.sharding.wrap_policy import ShardingPlan, build_plan, describe_plan
+from fairseq_shard_plugin.sharding.wrap_policy import (
+    LAYER_CLASSES,
+    ShardingPlan,
+    build_plan,
+    describe_plan,
+)
 
 
 @dataclass(frozen=True)
@@ -26,6 +34,34 @@ class ShardedModel:
     plan: ShardingPlan
     engine: Engine
     description: str  # the plan in one line, for the log
+
+
+def shard_layer_as_built(layer: nn.Module, settings: ShardingSettings) -> nn.Module:
+    """Shard a transformer layer the moment fairseq has built it, before the next exists.
+
+    fairseq's ``build_encoder_layer`` / ``build_decoder_layer`` hand every layer to
+    ``fsdp_wrap`` (integration hook 1), one by one and in construction order; sharding it
+    there frees its full fp32 copy at once, so each rank's host never holds the whole
+    model (only the embeddings, one layer and the shards so far). Nothing else changes:
+    the layer is initialised exactly as before (same random numbers in the same order), and
+    :func:`parallelize` later finds it among the plan's layer units, sharded with the same
+    settings. The fairscale engine and ``--root-unit-only`` build as before."""
+    if (settings.engine != "fsdp2" or settings.root_unit_only
+            or not isinstance(layer, LAYER_CLASSES)):
+        return layer
+    if settings.sixteen_bit_parameters and settings.compute_dtype is not None:
+        layer.to(dtype=settings.compute_dtype)
+    Fsdp2Engine(settings).shard_layer(layer)
+    return layer
+
+
+def _cast_unsharded_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """The parameters not sharded yet, in ``dtype`` (the 16-bit shards of layers sharded as
+    built are already): one at a time, so each fp32 copy is freed as it goes."""
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if not isinstance(param, DTensor) and param.is_floating_point():
+                param.data = param.data.to(dtype)
 
 
 def parallelize(model: nn.Module, settings: ShardingSettings) -> ShardedModel:
@@ -47,9 +83,12 @@ def parallelize(model: nn.Module, settings: ShardingSettings) -> ShardedModel:
     """
     plan = build_plan(model, settings.reshard, settings.root_unit_only)
     description = describe_plan(plan)  # counted before sharding changes the parameters
+    built_sharded = sum(isinstance(unit.modules[0], FSDPModule) for unit in plan.units)
+    if built_sharded:
+        description += f" ({built_sharded} layer units sharded as fairseq built them)"
     engine = build_engine(settings)
     if settings.sixteen_bit_parameters and settings.compute_dtype is not None:
-        model.to(dtype=settings.compute_dtype)
+        _cast_unsharded_parameters(model, settings.compute_dtype)
     module = engine.shard(model, plan)
     if settings.compute_dtype is not None:
         cast_buffers(model, settings.compute_dtype)

@@ -2,8 +2,9 @@
 
 The hooks import the trainer (to construct it); the trainer must not import the hooks, so
 the little state they share lives here: the loader that fairseq's checkpoint reading hands
-every checkpoint to while the trainer loads one (hook 6), and whether the
-``--export-consolidated`` export follows the training in this process (hook 4).
+every checkpoint to while the trainer loads one (hook 6), whether the
+``--export-consolidated`` export follows the training in this process (hook 4), and the
+sharding settings of the training being built (hooks 1 and 4).
 """
 
 from __future__ import annotations
@@ -15,6 +16,24 @@ from typing import Any
 TrainerLoader = Callable[[str, dict[str, Any]], dict[str, Any]]
 _trainer_loaders: list[TrainerLoader] = []
 _export_follows_main = False
+_settings_of_training: list[Any] = []
+
+
+@contextlib.contextmanager
+def training_with(settings: Any) -> Iterator[None]:
+    """While fairseq's ``main`` runs (hook 4): the run's
+    :class:`~fairseq_shard_plugin.sharding.settings.ShardingSettings`, by which hook 1
+    shards each layer as fairseq builds it."""
+    _settings_of_training.append(settings)
+    try:
+        yield
+    finally:
+        _settings_of_training.pop()
+
+
+def settings_of_training() -> Any:
+    """The sharding settings of the training running in this process, or None."""
+    return _settings_of_training[-1] if _settings_of_training else None
 
 
 @contextlib.contextmanager

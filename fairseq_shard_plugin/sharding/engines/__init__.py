@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
 
 from fairseq_shard_plugin.sharding.engines import fsdp2
 from fairseq_shard_plugin.sharding.full_state import gather_full_state
@@ -53,10 +54,22 @@ class Fsdp2Engine:
     def __init__(self, settings: ShardingSettings) -> None:
         self.settings = settings
 
+    def _mesh(self) -> Any:
+        return fsdp2.sharding_mesh(self.settings.device_type,
+                                   self.settings.shard_group_size or dist.get_world_size())
+
+    def shard_layer(self, layer: nn.Module) -> None:
+        """One transformer layer sharded as :meth:`shard` shards layer units, while fairseq
+        builds the model (:func:`..parallelize.shard_layer_as_built`)."""
+        settings, mesh = self.settings, self._mesh()
+        fully_shard(layer, mesh=mesh, reshard_after_forward=settings.reshard.layers,
+                    mp_policy=mixed_precision_policy(settings.compute_dtype,
+                                                     settings.reduce_in_16_bit),
+                    offload_policy=fsdp2.offload_policy(settings.offload, mesh))
+
     def shard(self, model: nn.Module, plan: ShardingPlan) -> nn.Module:
         settings = self.settings
-        mesh = fsdp2.sharding_mesh(
-            settings.device_type, settings.shard_group_size or dist.get_world_size())
+        mesh = self._mesh()
         units = mixed_precision_policy(settings.compute_dtype, settings.reduce_in_16_bit)
         vocabulary = (mixed_precision_policy(settings.compute_dtype, reduce_in_16_bit=True)
                       if settings.reduce_vocabulary_in_16_bit else None)

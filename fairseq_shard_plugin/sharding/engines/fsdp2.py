@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -10,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -24,10 +26,13 @@ def data_parallel_mesh(device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
+@functools.cache
 def sharding_mesh(device_type: str, shard_group_size: int) -> DeviceMesh:
     """Full sharding (1-D mesh) when one shard group spans all ranks; otherwise a 2-D
     mesh (replicate, shard) for hybrid sharding: consecutive ranks, i.e. one node's ranks
-    under torchrun and Slurm's block distribution, form a shard group; groups replicate."""
+    under torchrun and Slurm's block distribution, form a shard group; groups replicate.
+    One mesh per process: layers sharded while the model is built and the units sharded
+    after it share it."""
     world_size = dist.get_world_size()
     if shard_group_size == world_size:
         return data_parallel_mesh(device_type)
@@ -60,6 +65,8 @@ def refuse_scalar_parameters(model: nn.Module) -> None:
 def _shard_unit(
     unit: ShardUnit, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, offload: OffloadPolicy
 ) -> None:
+    if len(unit.modules) == 1 and isinstance(unit.modules[0], FSDPModule):
+        return  # a layer sharded as fairseq built it, with this unit's settings
     target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
     fully_shard(target, mesh=mesh, reshard_after_forward=unit.reshard_after_forward,
                 mp_policy=mp_policy, offload_policy=offload)

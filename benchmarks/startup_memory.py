@@ -1,0 +1,94 @@
+"""Host memory of building and sharding NLLB-600M at the start of a sharded training.
+
+Each rank of a sharded run builds its model through fairseq and shards it. Layers are
+sharded as fairseq builds them (``parallelize.shard_layer_as_built``), so a rank never holds
+the whole fp32 model; before that change each rank built all of it first. This starts 2
+ranks of ``fairseq-train`` on the ``nllb_dense_600m`` shape (synthetic data, the dictionary
+padded to NLLB's 256,206 entries) and reads each rank's peak RSS (``VmHWM``) the moment the
+plugin logs its sharding plan (the model is built and sharded; no step has run), then stops
+the ranks. ``--plugin-dir`` measures another checkout of the plugin the same way (e.g. the
+commit before the change, checked out with ``git worktree add``).
+
+    python -m benchmarks.startup_memory [--plugin-dir OLD/fairseq_shard_plugin --label old]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from benchmarks.gpu_check import pad_dictionary
+from benchmarks.harness import PLUGIN_DIR, RESULTS, run_training, training_args, write_results
+
+GIB = 1024**3
+NLLB_VOCABULARY = 256206
+FLAGS = ["--arch", "nllb_dense_600m", "--task", "sharded_translation", "--bf16",
+         "--criterion", "chunked_label_smoothed_cross_entropy", "--loss-chunk-tokens", "512",
+         "--checkpoint-activations", "--no-save", "--disable-validation"]
+PLAN_LINE = "sharded over 2 ranks with fsdp2"
+
+
+def vm_hwm(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakAtPlan:
+    """Watches the ranks; once rank 0 has logged the plan, records every rank's peak RSS
+    and kills the ranks (the measurement is taken, no step is needed)."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+
+    def __call__(self, ranks: list, outputs: list[str]) -> None:
+        if self.peaks or PLAN_LINE not in outputs[0]:
+            return
+        self.peaks = [vm_hwm(rank.pid) for rank in ranks]
+        for rank in ranks:
+            rank.kill()
+
+
+def measure(data: Path, work: Path, plugin_dir: Path) -> dict:
+    watch = PeakAtPlan()
+    args = training_args(data, work, 10, max_tokens=1024) + FLAGS
+    args = [*args, "--user-dir", str(plugin_dir)] if plugin_dir != PLUGIN_DIR else args
+    run_training(args, nproc=2, plugin=True, check=False, watch=watch)
+    if not watch.peaks:
+        raise RuntimeError("the ranks ended before logging their sharding plan")
+    return {"peak_rss_per_rank_gib": round(max(watch.peaks) / GIB, 2),
+            "peak_rss_all_ranks_gib": round(sum(watch.peaks) / GIB, 2)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plugin-dir", type=Path, default=PLUGIN_DIR)
+    parser.add_argument("--label", default="layers sharded as built")
+    options = parser.parse_args(argv)
+    from fairseq_shard_plugin.cli.synthetic_data import make_corpus
+
+    with tempfile.TemporaryDirectory() as directory:
+        data = make_corpus(Path(directory) / "data", vocab=2000, train=200, valid=20)
+        pad_dictionary(data, NLLB_VOCABULARY)
+        row = {"build": options.label, **measure(data, Path(directory) / "save",
+                                                options.plugin_dir)}
+    print(json.dumps(row), flush=True)
+    path = RESULTS / "startup_memory.json"
+    rows = [r for r in (json.loads(path.read_text()) if path.exists() else [])
+            if r["build"] != row["build"]] + [row]
+    note = ("GiB, host memory of 2 CPU ranks of fairseq-train on the nllb_dense_600m shape "
+            "(615.1M parameters; fp32 alone 2.29 GiB) with --bf16 and the plugin, once the "
+            "model is built and sharded (peak RSS, VmHWM, read when rank 0 logs its plan). "
+            "Produced by `python -m benchmarks.startup_memory` (and, for the previous "
+            "build, `--plugin-dir` of a checkout of the commit before the change with "
+            "`--label`).")
+    print(write_results("startup_memory", rows, [
+        ("build", "build"), ("peak RSS per rank", "peak_rss_per_rank_gib"),
+        ("both ranks", "peak_rss_all_ranks_gib")], note))
+
+
+if __name__ == "__main__":
+    main()
