@@ -289,3 +289,13 @@ def test_the_wrapped_training_entry_survives_fairseqs_own_spawn() -> None:
 
     unpickled = pickle.loads(pickle.dumps(_TrainThenExport(train_cli.main)))
     assert unpickled.main is train_cli.main
+
+
+def test_layers_are_sharded_as_fairseq_builds_them(
+    sharded_tiny_run: tuple[RunResult, Path]
+) -> None:
+    """No rank holds the whole fp32 model at start: each of TINY's 2+2 layers was sharded
+    as fairseq built it (its initialisation unchanged: the reference comparisons in this
+    module and test_precision hold the same run to stock fairseq's)."""
+    run, _ = sharded_tiny_run
+    assert "(4 layer units sharded as fairseq built them)" in run.output
