@@ -24,7 +24,7 @@ from benchmarks.harness import PLUGIN_DIR, RESULTS, run_training, training_args,
 
 GIB = 1024**3
 NLLB_VOCABULARY = 256206
-FLAGS = ["--arch", "nllb_dense_600m", "--task", "sharded_translation", "--bf16",
+FLAGS = ["--task", "sharded_translation", "--bf16",
          "--criterion", "chunked_label_smoothed_cross_entropy", "--loss-chunk-tokens", "512",
          "--checkpoint-activations", "--no-save", "--disable-validation"]
 PLAN_LINE = "sharded over 2 ranks with fsdp2"
@@ -52,9 +52,9 @@ class PeakAtPlan:
             rank.kill()
 
 
-def measure(data: Path, work: Path, plugin_dir: Path) -> dict:
+def measure(data: Path, work: Path, plugin_dir: Path, arch: str) -> dict:
     watch = PeakAtPlan()
-    args = training_args(data, work, 10, max_tokens=1024) + FLAGS
+    args = training_args(data, work, 10, max_tokens=1024) + ["--arch", arch, *FLAGS]
     args = [*args, "--user-dir", str(plugin_dir)] if plugin_dir != PLUGIN_DIR else args
     run_training(args, nproc=2, plugin=True, check=False, watch=watch)
     if not watch.peaks:
@@ -67,26 +67,27 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--plugin-dir", type=Path, default=PLUGIN_DIR)
     parser.add_argument("--label", default="layers sharded as built")
+    parser.add_argument("--arch", default="nllb_dense_600m")
     options = parser.parse_args(argv)
     from fairseq_shard_plugin.cli.synthetic_data import make_corpus
 
     with tempfile.TemporaryDirectory() as directory:
         data = make_corpus(Path(directory) / "data", vocab=2000, train=200, valid=20)
         pad_dictionary(data, NLLB_VOCABULARY)
-        row = {"build": options.label, **measure(data, Path(directory) / "save",
-                                                options.plugin_dir)}
+        row = {"arch": options.arch, "build": options.label,
+               **measure(data, Path(directory) / "save", options.plugin_dir, options.arch)}
     print(json.dumps(row), flush=True)
     path = RESULTS / "startup_memory.json"
     rows = [r for r in (json.loads(path.read_text()) if path.exists() else [])
-            if r["build"] != row["build"]] + [row]
-    note = ("GiB, host memory of 2 CPU ranks of fairseq-train on the nllb_dense_600m shape "
-            "(615.1M parameters; fp32 alone 2.29 GiB) with --bf16 and the plugin, once the "
-            "model is built and sharded (peak RSS, VmHWM, read when rank 0 logs its plan). "
-            "Produced by `python -m benchmarks.startup_memory` (and, for the previous "
+            if (r.get("arch"), r["build"]) != (row["arch"], row["build"])] + [row]
+    note = ("GiB, host memory of 2 CPU ranks of fairseq-train (NLLB shapes, fp32 weights: "
+            "600M 2.29 GiB, 1.3B 5.11 GiB) with --bf16 and the plugin, once the model is "
+            "built and sharded (peak RSS, VmHWM, read when rank 0 logs its plan). Produced "
+            "by `python -m benchmarks.startup_memory --arch ARCH` (and, for the previous "
             "build, `--plugin-dir` of a checkout of the commit before the change with "
             "`--label`).")
     print(write_results("startup_memory", rows, [
-        ("build", "build"), ("peak RSS per rank", "peak_rss_per_rank_gib"),
+        ("arch", "arch"), ("build", "build"), ("peak RSS per rank", "peak_rss_per_rank_gib"),
         ("both ranks", "peak_rss_all_ranks_gib")], note))
 
 
