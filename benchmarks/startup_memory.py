@@ -16,11 +16,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
 from benchmarks.gpu_check import pad_dictionary
-from benchmarks.harness import PLUGIN_DIR, RESULTS, run_training, training_args, write_results
+from benchmarks.harness import (
+    BIN,
+    PLUGIN_DIR,
+    RESULTS,
+    start_ranks,
+    tool,
+    training_args,
+    write_results,
+)
 
 GIB = 1024**3
 NLLB_VOCABULARY = 256206
@@ -53,10 +62,14 @@ class PeakAtPlan:
 
 
 def measure(data: Path, work: Path, plugin_dir: Path, arch: str) -> dict:
+    """2 ranks started as torchrun starts them, with ``plugin_dir`` as the user dir."""
     watch = PeakAtPlan()
-    args = training_args(data, work, 10, max_tokens=1024) + ["--arch", arch, *FLAGS]
-    args = [*args, "--user-dir", str(plugin_dir)] if plugin_dir != PLUGIN_DIR else args
-    run_training(args, nproc=2, plugin=True, check=False, watch=watch)
+    command = [tool("fairseq-train"), *training_args(data, work, 10, max_tokens=1024),
+               "--arch", arch, *FLAGS, "--user-dir", str(plugin_dir),
+               "--ddp-backend", "fully_sharded"]
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    start_ranks(command, 2, env, watch=watch)
     if not watch.peaks:
         raise RuntimeError("the ranks ended before logging their sharding plan")
     return {"peak_rss_per_rank_gib": round(max(watch.peaks) / GIB, 2),
