@@ -16,7 +16,7 @@ $(STAMP): setup.py Makefile
 install: $(STAMP)
 
 lint: install
-	$(VENV)/bin/ruff check fairseq_shard_plugin tests benchmarks
+	$(VENV)/bin/ruff check fairseq_shard_plugin tests benchmarks launching
 
 test: lint
 	$(PY) -m pytest -q --durations=15 tests

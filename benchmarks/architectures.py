@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import LOG_LINE, REPO, RunResult, run_training, write_results
+from launching.harness import LOG_LINE, REPO, RunResult, run_training, write_results
 
 ARCHS = ("fconv_wmt_en_de", "lightconv_wmt_en_de", "lstm_luong_wmt_en_de")
 # arch size overrides, only where a run at the registered size would not fit this machine

@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import REPO, RESULTS, tool
 from fairseq_shard_plugin.checkpoint.stored_tensors import mapped_empty
+from launching.harness import REPO, RESULTS, tool
 
 NAME = "consolidate_memory"
 ARCH = "nllb_dense_600m"

@@ -23,7 +23,8 @@ import argparse
 import shutil
 from pathlib import Path
 
-from benchmarks.harness import (
+from fairseq_shard_plugin.cli.synthetic_data import make_corpus
+from launching.harness import (
     REPO,
     RESULTS,
     RunResult,
@@ -32,7 +33,6 @@ from benchmarks.harness import (
     transformer_args,
     write_results,
 )
-from fairseq_shard_plugin.cli.synthetic_data import make_corpus
 
 MIB = 1024**2
 

@@ -8,7 +8,7 @@ and seed. The model is ``nllb_dense_600m``'s shape spelled out in fairseq's own 
 fairseq, which does not know the plugin's architecture names, trains the same thing; the
 joined dictionary is padded to the NLLB vocabulary of 256,206 entries.
 
-Every run is launched by ``benchmarks.harness.run_training`` through
+Every run is launched by ``launching.harness.run_training`` through
 ``fairseq-shard-measure-train`` (it calls ``fairseq_cli.train.cli_main`` under the meters).
 The stock row's command has no ``--user-dir``, and the launcher activates the plugin only
 when ``--user-dir`` names it (importing the package installs nothing), so that process runs
@@ -53,8 +53,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import harness
-from benchmarks.harness import REPO, run_training, training_args, transformer_args, write_results
+from launching import harness
+from launching.harness import REPO, run_training, training_args, transformer_args, write_results
 
 GIB = 1024**3
 NLLB_VOCABULARY = 256_206  # fairseq's 4 special symbols included

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.harness import write_results
+from launching.harness import write_results
 
 VOCABULARY, DIM, FFN, LAYERS = 256206, 1024, 4096, 12
 SETTINGS = dict(lr=1e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.0)  # NLLB's

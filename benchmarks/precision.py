@@ -9,8 +9,8 @@ updates. Model state (fp32 masters, gradients, Adam moments) is the same in ever
 
 from __future__ import annotations
 
-from benchmarks.harness import REPO, run_training, training_args, transformer_args, write_results
 from fairseq_shard_plugin.cli.synthetic_data import make_corpus
+from launching.harness import REPO, run_training, training_args, transformer_args, write_results
 
 MODEL = transformer_args(dim=512, ffn=2048, layers=2)
 PRECISIONS = [("fp32", []), ("fp16", ["--fp16"]), ("bf16", ["--bf16"])]

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import write_results
 from benchmarks.host_adam import make_tensors, nllb_600m_shapes
+from launching.harness import write_results
 
 GIB = 1024**3
 RANK_SCRIPT = """

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.gpu_check import pad_dictionary
-from benchmarks.harness import (
+from launching.harness import (
     BIN,
     PLUGIN_DIR,
     RESULTS,

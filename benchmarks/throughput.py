@@ -31,7 +31,9 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from benchmarks.harness import (
+from fairseq_shard_plugin.cli.synthetic_data import make_corpus
+from fairseq_shard_plugin.sharding.options import ShardingConfig
+from launching.harness import (
     REPO,
     RunResult,
     run_training,
@@ -39,8 +41,6 @@ from benchmarks.harness import (
     transformer_args,
     write_results,
 )
-from fairseq_shard_plugin.cli.synthetic_data import make_corpus
-from fairseq_shard_plugin.sharding.options import ShardingConfig
 
 MIB = 1024**2
 WARMUP_UPDATES = 3  # the first updates build the iterator, FSDP's lazy state, Adam's state

@@ -13,7 +13,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.harness import (  # noqa: E402
+from fairseq_shard_plugin.checkpoint.safe_loading import (  # noqa: E402
+    allow_fairseq_checkpoint_types,
+)
+from fairseq_shard_plugin.cli.synthetic_data import make_corpus  # noqa: E402
+from launching.harness import (  # noqa: E402
     RunResult,
     in_threads,
     result_of,
@@ -21,16 +25,12 @@ from benchmarks.harness import (  # noqa: E402
     run_training,
     training_args,
 )
-from fairseq_shard_plugin.checkpoint.safe_loading import (  # noqa: E402
-    allow_fairseq_checkpoint_types,
-)
-from fairseq_shard_plugin.cli.synthetic_data import make_corpus  # noqa: E402
 
 from tiny_training import EVAL_BLEU, REFERENCE_UPDATES, TINY  # noqa: E402
 
 LANGUAGES = ("eng_Latn", "fra_Latn", "deu_Latn")
 
-# Ranks start as forks of a Python that has imported fairseq (benchmarks/forkserver.py):
+# Ranks start as forks of a Python that has imported fairseq (launching/forkserver.py):
 # the same processes, without each one's 3.5 s of imports. FAIRSEQ_SHARD_TEST_FORKSERVER=0
 # launches every rank as a fresh process instead.
 os.environ.setdefault("FAIRSEQ_SHARD_TEST_FORKSERVER", "1")

@@ -23,19 +23,6 @@ from typing import BinaryIO
 import pytest
 import torch
 
-from benchmarks.harness import (
-    PLUGIN_DIR,
-    REPO,
-    RunResult,
-    free_port,
-    parse_logs,
-    run_command,
-    run_concurrently,
-    run_training,
-    start_ranks,
-    tool,
-    training_args,
-)
 from fairseq_shard_plugin.checkpoint import consolidate, verify
 from fairseq_shard_plugin.checkpoint.atomic_files import (
     WriteError,
@@ -50,6 +37,19 @@ from fairseq_shard_plugin.checkpoint.sharded import (
 from fairseq_shard_plugin.checkpoint.space import space_report
 from fairseq_shard_plugin.cli import consolidate as cli_consolidate
 from fairseq_shard_plugin.cli import verify as cli_verify
+from launching.harness import (
+    PLUGIN_DIR,
+    REPO,
+    RunResult,
+    free_port,
+    parse_logs,
+    run_command,
+    run_concurrently,
+    run_training,
+    start_ranks,
+    tool,
+    training_args,
+)
 
 from tiny_training import SHARDED, TINY, reshard, sharded_config
 

@@ -15,18 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import (
+from fairseq_shard_plugin.training.validation import (
+    ShardingConfigError,
+    check_sharded_config,
+    ignored_fsdp_flags,
+)
+from launching.harness import (
     PLUGIN_DIR,
     run_command,
     run_concurrently,
     tool,
     training_args,
     transformer_args,
-)
-from fairseq_shard_plugin.training.validation import (
-    ShardingConfigError,
-    check_sharded_config,
-    ignored_fsdp_flags,
 )
 
 from tiny_training import sharded_config

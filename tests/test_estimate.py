@@ -13,7 +13,6 @@ import pytest
 import torch
 from fairseq import tasks
 
-from benchmarks.harness import PLUGIN_DIR, run_concurrently
 from fairseq_shard_plugin.cli.estimate import main as estimate_main
 from fairseq_shard_plugin.cli.estimate_command import flags_from_training_command
 from fairseq_shard_plugin.memory.estimate import (
@@ -47,6 +46,7 @@ from fairseq_shard_plugin.memory.run_estimate import (
     predict,
     run_description,
 )
+from launching.harness import PLUGIN_DIR, run_concurrently
 
 from tiny_training import TINY as TINY_TRAINING
 from tiny_training import sharded_config

@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.harness import (
+from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
+from fairseq_shard_plugin.training.validation import ShardingConfigError, check_fairscale_engine
+from launching.harness import (
     PLUGIN_DIR,
     REPO,
     free_port,
@@ -25,8 +27,6 @@ from benchmarks.harness import (
     tool,
     training_args,
 )
-from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
-from fairseq_shard_plugin.training.validation import ShardingConfigError, check_fairscale_engine
 
 from tiny_training import TINY, sharded_config
 

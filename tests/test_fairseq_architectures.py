@@ -24,7 +24,7 @@ import pytest
 import torch
 from fairseq_fixtures import create_dummy_data, preprocess_lm_data, preprocess_translation_data
 
-from benchmarks.harness import (
+from launching.harness import (
     PLUGIN_DIR,
     REPO,
     RunResult,

@@ -12,7 +12,7 @@ from pathlib import Path
 import fairseq
 import pytest
 
-from benchmarks.harness import run_command
+from launching.harness import run_command
 
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
 

@@ -16,7 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.harness import (
+from fairseq_shard_plugin.checkpoint.consolidate import read_full_state
+from fairseq_shard_plugin.checkpoint.sharded import is_sharded_index
+from fairseq_shard_plugin.errors import ShardingConfigError
+from fairseq_shard_plugin.memory.meters import LiveTensorMeter
+from fairseq_shard_plugin.sharding.options import ShardingConfig
+from fairseq_shard_plugin.sharding.settings import ranks_per_node, shard_group_size
+from fairseq_shard_plugin.training.launch_env import (
+    first_slurm_host,
+    host_threads_per_rank,
+    slurm_as_torchrun,
+)
+from launching.harness import (
     BIN,
     PLUGIN_DIR,
     REPO,
@@ -29,17 +40,6 @@ from benchmarks.harness import (
     run_training,
     tool,
     training_args,
-)
-from fairseq_shard_plugin.checkpoint.consolidate import read_full_state
-from fairseq_shard_plugin.checkpoint.sharded import is_sharded_index
-from fairseq_shard_plugin.errors import ShardingConfigError
-from fairseq_shard_plugin.memory.meters import LiveTensorMeter
-from fairseq_shard_plugin.sharding.options import ShardingConfig
-from fairseq_shard_plugin.sharding.settings import ranks_per_node, shard_group_size
-from fairseq_shard_plugin.training.launch_env import (
-    first_slurm_host,
-    host_threads_per_rank,
-    slurm_as_torchrun,
 )
 
 from tiny_training import SHARDED, TINY, relative_difference, reshard

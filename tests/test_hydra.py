@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from benchmarks.harness import (
+from fairseq_shard_plugin.sharding.options import ShardingConfig
+from launching.harness import (
     PLUGIN_DIR,
     REPO,
     free_port,
@@ -21,7 +22,6 @@ from benchmarks.harness import (
     run_like_srun,
     tool,
 )
-from fairseq_shard_plugin.sharding.options import ShardingConfig
 
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import REPO, free_port, tool
+from launching.harness import REPO, free_port, tool
 
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
 

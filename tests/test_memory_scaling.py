@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import RunResult
-from benchmarks.scaling import measure_scaling, peak_bytes, state_gib
+from launching.harness import RunResult
+from launching.scaling import measure_scaling, peak_bytes, state_gib
 
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
 

@@ -13,7 +13,6 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf, merge_with_p
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from omegaconf import OmegaConf
 
-from benchmarks.harness import REPO, run_training
 from fairseq_shard_plugin.tasks import register  # noqa: E402
 from fairseq_shard_plugin.tasks.multilingual_config import (
     MultilingualOptionError,
@@ -22,6 +21,7 @@ from fairseq_shard_plugin.tasks.multilingual_config import (
     task_options,
     task_parser,
 )
+from launching.harness import REPO, run_training
 
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
 

@@ -14,7 +14,6 @@ from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf, merge_with_parent
 from omegaconf import OmegaConf
 
-from benchmarks.harness import run_training
 from fairseq_shard_plugin.tasks import register
 from fairseq_shard_plugin.tasks.multilingual_config import (
     ShardedMultilingualConfig,
@@ -23,6 +22,7 @@ from fairseq_shard_plugin.tasks.multilingual_config import (
 from fairseq_shard_plugin.tasks.sharded_multilingual import (
     ShardedTranslationMultiSimpleEpochTask,
 )
+from launching.harness import run_training
 
 register()  # the plugin's tasks, as --user-dir does
 

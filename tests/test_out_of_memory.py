@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import PLUGIN_DIR, REPO, start_ranks, training_args
 from fairseq_shard_plugin.checkpoint.space import readable
 from fairseq_shard_plugin.memory.estimate import run as run_estimator
 from fairseq_shard_plugin.memory.model import GIB
 from fairseq_shard_plugin.training.out_of_memory import smaller_step_advice
+from launching.harness import PLUGIN_DIR, REPO, start_ranks, training_args
 
 from tiny_training import TINY, sharded_config
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import (
+from launching.harness import (
     PLUGIN_DIR,
     REPO,
     RunResult,

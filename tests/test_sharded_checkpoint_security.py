@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from benchmarks.harness import run_command
 from fairseq_shard_plugin.checkpoint import consolidate, verify
 from fairseq_shard_plugin.checkpoint.shard_metadata import (
     MetadataUnpickler,
@@ -52,6 +51,7 @@ from fairseq_shard_plugin.checkpoint.sharded import (
 )
 from fairseq_shard_plugin.cli import consolidate as cli_consolidate
 from fairseq_shard_plugin.cli import verify as cli_verify
+from launching.harness import run_command
 
 INDEX = "checkpoint_last.pt"
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.harness import (
+from fairseq_shard_plugin.training.data_position import convert_position, record_ranks
+from launching.harness import (
     PLUGIN_DIR,
     REPO,
     RunResult,
@@ -21,7 +22,6 @@ from benchmarks.harness import (
     tool,
     training_args,
 )
-from fairseq_shard_plugin.training.data_position import convert_position, record_ranks
 
 from tiny_training import REFERENCE_UPDATES, TINY, relative_difference
 

@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 from fairseq import options, tasks
 
-from benchmarks.harness import run_command
 from fairseq_shard_plugin.sharding.settings import ReshardPolicy
 from fairseq_shard_plugin.sharding.wrap_policy import LAYER_CLASSES, build_plan, is_linear_layer
 from fairseq_shard_plugin.tasks import register  # noqa: E402
+from launching.harness import run_command
 
 register()  # the plugin's tasks, criterion and architectures, as --user-dir does
 

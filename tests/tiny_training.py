@@ -15,8 +15,8 @@ from typing import Any
 from fairseq import options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-from benchmarks.harness import REPO, start_ranks, transformer_args
 from fairseq_shard_plugin.tasks import register
+from launching.harness import REPO, start_ranks, transformer_args
 
 TINY = transformer_args(dim=64, ffn=128, layers=2)
 # The stock and sharded reference runs (conftest fixtures) train this many updates.

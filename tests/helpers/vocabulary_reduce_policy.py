@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.memory import trainer_on_fake_group  # noqa: E402
+from launching.fake_group import trainer_on_fake_group  # noqa: E402
 
 trainer = trainer_on_fake_group(sys.argv[1:], world_size=2)
 report = {

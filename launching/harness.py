@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks import forkserver
+from launching import forkserver
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = REPO / "fairseq_shard_plugin"
-STOCK_LAUNCH = REPO / "benchmarks" / "stock_launch.sh"
+STOCK_LAUNCH = REPO / "launching" / "stock_launch.sh"
 BIN = Path(sys.executable).parent
 
 

@@ -203,7 +203,7 @@ class ForkServer:
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                    MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self._server = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.forkserver", self.path], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "launching.forkserver", self.path], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, env=env, cwd=Path(__file__).resolve().parents[1])
         assert self._server.stdout is not None
         for line in self._server.stdout:  # fairseq's imports log a line or two first
