@@ -24,8 +24,7 @@ _NAMED_BY_GROUP = {"model": "arch", "optimizer": "optimizer", "criterion": "crit
 
 def _read(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ValueError("no such file" if not path.name.endswith(".yaml")
-                         else f"no such file: {path}")
+        raise ValueError("no such file")
     try:
         config = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     except (OmegaConfBaseException, ValueError, yaml.YAMLError) as error:
@@ -49,17 +48,26 @@ def _with_its_bases(path: Path) -> dict[str, Any]:
         if entry == "_self_":
             part = {key: value for key, value in config.items() if key != "defaults"}
         elif isinstance(entry, str):
-            part = _with_its_bases(path.parent / f"{entry}.yaml")
+            part = _base(path.parent / f"{entry}.yaml", entry)
         elif isinstance(entry, dict) and len(entry) == 1:
             ((group, name),) = entry.items()
-            group_file = path.parent / str(group).lstrip("+") / f"{name}.yaml"
-            part = _with_its_bases(group_file)
-            if "@package _global_" not in group_file.read_text().split("\n", 1)[0]:
-                part = {str(group).lstrip("+"): part}
+            group = str(group).lstrip("+")
+            group_file = path.parent / group / f"{name}.yaml"
+            part = _base(group_file, f"{group}: {name}")
+            with open(group_file) as header:
+                if "@package _global_" not in header.readline():
+                    part = {group: part}
         else:
             continue
         composed = _merged(composed, part)
     return composed
+
+
+def _base(path: Path, entry: str) -> dict[str, Any]:
+    """A config that a defaults list names as ``entry``, composed with its own bases."""
+    if not path.is_file():
+        raise ValueError(f"its defaults list names {entry}, but {path} does not exist")
+    return _with_its_bases(path)
 
 
 def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
