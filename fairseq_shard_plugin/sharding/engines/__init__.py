@@ -14,14 +14,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
 
 from fairseq_shard_plugin.sharding.engines import fsdp2
 from fairseq_shard_plugin.sharding.full_state import gather_full_state
 from fairseq_shard_plugin.sharding.gradients import global_grad_norm
 from fairseq_shard_plugin.sharding.precision import mixed_precision_policy
 from fairseq_shard_plugin.sharding.settings import ShardingSettings
-from fairseq_shard_plugin.sharding.wrap_policy import ShardingPlan
+from fairseq_shard_plugin.sharding.wrap_policy import ShardingPlan, ShardUnit
 
 
 class Engine(Protocol):
@@ -58,22 +57,24 @@ class Fsdp2Engine:
         return fsdp2.sharding_mesh(self.settings.device_type,
                                    self.settings.shard_group_size or dist.get_world_size())
 
+    def _unit_policy(self) -> Any:
+        return mixed_precision_policy(self.settings.compute_dtype,
+                                      self.settings.reduce_in_16_bit)
+
     def shard_layer(self, layer: nn.Module) -> None:
         """One transformer layer sharded as :meth:`shard` shards layer units, while fairseq
         builds the model (:func:`..parallelize.shard_layer_as_built`)."""
-        settings, mesh = self.settings, self._mesh()
-        fully_shard(layer, mesh=mesh, reshard_after_forward=settings.reshard.layers,
-                    mp_policy=mixed_precision_policy(settings.compute_dtype,
-                                                     settings.reduce_in_16_bit),
-                    offload_policy=fsdp2.offload_policy(settings.offload, mesh))
+        mesh = self._mesh()
+        unit = ShardUnit(type(layer).__name__, (layer,),
+                         reshard_after_forward=self.settings.reshard.layers)
+        fsdp2.shard_unit(unit, mesh, self._unit_policy(),
+                         fsdp2.offload_policy(self.settings.offload, mesh))
 
     def shard(self, model: nn.Module, plan: ShardingPlan) -> nn.Module:
         settings = self.settings
-        mesh = self._mesh()
-        units = mixed_precision_policy(settings.compute_dtype, settings.reduce_in_16_bit)
         vocabulary = (mixed_precision_policy(settings.compute_dtype, reduce_in_16_bit=True)
                       if settings.reduce_vocabulary_in_16_bit else None)
-        fsdp2.apply_plan(plan, mesh, units, offload=settings.offload,
+        fsdp2.apply_plan(plan, self._mesh(), self._unit_policy(), offload=settings.offload,
                          vocabulary_mp_policy=vocabulary)
         return model
 

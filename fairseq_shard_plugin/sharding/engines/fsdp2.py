@@ -62,11 +62,13 @@ def refuse_scalar_parameters(model: nn.Module) -> None:
                 "fairscale on CUDA)")
 
 
-def _shard_unit(
+def shard_unit(
     unit: ShardUnit, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, offload: OffloadPolicy
 ) -> None:
+    """``fully_shard`` one unit (its modules together); a unit already sharded (a layer
+    sharded as fairseq built it, by this function with this unit's settings) is left."""
     if len(unit.modules) == 1 and isinstance(unit.modules[0], FSDPModule):
-        return  # a layer sharded as fairseq built it, with this unit's settings
+        return
     target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
     fully_shard(target, mesh=mesh, reshard_after_forward=unit.reshard_after_forward,
                 mp_policy=mp_policy, offload_policy=offload)
@@ -90,9 +92,9 @@ def apply_plan(
     policy = offload_policy(offload, mesh)
     for unit in plan.units:
         use_vocabulary_policy = unit.vocabulary and vocabulary_mp_policy is not None
-        _shard_unit(unit, mesh, vocabulary_mp_policy if use_vocabulary_policy else mp_policy,
+        shard_unit(unit, mesh, vocabulary_mp_policy if use_vocabulary_policy else mp_policy,
                     policy)
-    _shard_unit(plan.root, mesh, mp_policy, policy)
+    shard_unit(plan.root, mesh, mp_policy, policy)
 
 
 @contextlib.contextmanager
