@@ -174,8 +174,9 @@ def run_description(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> 
         flags.append("--cpu-offload")
     if cfg.distributed_training.no_reshard_after_forward:
         flags.append("--no-reshard-after-forward")
-    if checkpoint_format(cfg) != "full":
-        flags += ["--checkpoint-format", checkpoint_format(cfg)]
+    saved_as = checkpoint_format(cfg)
+    if saved_as != "full":
+        flags += ["--checkpoint-format", saved_as]
     return RunDescription(flags, shape)
 
 

@@ -132,11 +132,11 @@ class ShardingConfig(FairseqDataclass):
 def checkpoint_format(cfg: Any) -> str:
     """``--checkpoint-format`` of the run, ``auto`` resolved (see its help): ``full`` or
     ``sharded``."""
-    chosen = sharding_options(cfg.task).checkpoint_format
-    if chosen != "auto":
-        return chosen
+    options = sharding_options(cfg.task)
+    if options.checkpoint_format != "auto":
+        return options.checkpoint_format
     offloaded = bool(cfg.distributed_training.cpu_offload)
-    return "sharded" if offloaded and sharding_options(cfg.task).shard_engine == "fsdp2" else "full"
+    return "sharded" if offloaded and options.shard_engine == "fsdp2" else "full"
 
 
 # the modelled boolean options by field name (``root_unit_only`` -> ``--root-unit-only``)
