@@ -19,7 +19,11 @@ import torch
 from fairseq_shard_plugin.checkpoint.consolidate import read_full_state
 from fairseq_shard_plugin.checkpoint.sharded import is_sharded_index
 from fairseq_shard_plugin.errors import ShardingConfigError
-from fairseq_shard_plugin.memory.meters import LiveTensorMeter
+from fairseq_shard_plugin.memory.meters import (
+    LiveTensorMeter,
+    StepMemoryProbe,
+    watch_offloaded_state,
+)
 from fairseq_shard_plugin.sharding.options import ShardingConfig
 from fairseq_shard_plugin.sharding.settings import ranks_per_node, shard_group_size
 from fairseq_shard_plugin.training.launch_env import (
@@ -311,3 +315,25 @@ def test_meter_leaves_host_side_storages_out_of_the_device_peak() -> None:
     assert 8000 + 2000 <= meter.device_peak_bytes < 10000 + 256
     assert 4000 + 2000 + 4000 <= meter.host_bytes < 10000 + 256
     del state  # alive until the meter closed: its 4,000 B are counted on the host
+
+
+def test_offload_watcher_follows_a_replaced_probe() -> None:
+    """The benchmark swaps the trainer's probe for one with another meter after the trainer
+    set up its offload watcher: reduced gradients and the optimizer step's allocations must
+    still leave the new probe's device peak."""
+    holder = {"probe": StepMemoryProbe(torch.device("cpu"))}
+    param = torch.nn.Parameter(torch.zeros(1000))
+    optimizer = torch.optim.SGD([param], lr=0.1, momentum=0.9)  # momentum: 4,000 B
+    handles = watch_offloaded_state(lambda: holder["probe"], [param])
+    try:
+        probe = holder["probe"] = StepMemoryProbe(torch.device("cpu"))  # replaced
+        probe.start([], host=[param])
+        (param * 2.0).sum().backward()  # an activation, then the gradient (4,000 B each)
+        optimizer.step()
+        step = probe.stop()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert step is not None
+    assert step.peak_allocated >= 4000 + 4000 + 4000  # the parameter, gradient, momentum
+    assert step.peak_device < 4000 + 256  # the activation alone: the rest is on the host

@@ -269,20 +269,27 @@ class StepMemoryProbe:
 
 
 def watch_offloaded_state(
-    probe: StepMemoryProbe, params: Iterable[torch.nn.Parameter]
+    probe: Callable[[], StepMemoryProbe | None], params: Iterable[torch.nn.Parameter]
 ) -> list[RemovableHandle]:
-    """Under CPU offload on CPU ranks, tell the probe's meter what an accelerator would not
-    hold: each sharded gradient once FSDP has reduced it (FSDP then copies it to the host),
-    and everything allocated during an optimizer step (which runs on the host)."""
+    """Under CPU offload on CPU ranks, tell the current probe's meter (``probe()``, read at
+    each event, so a probe replaced later is followed) what an accelerator would not hold:
+    each sharded gradient once FSDP has reduced it (FSDP then copies it to the host), and
+    everything allocated during an optimizer step (which runs on the host)."""
+
+    def meter() -> Any:
+        current = probe()
+        return None if current is None else current.meter
 
     def gradient_reduced(param: torch.Tensor) -> None:
-        if probe.meter is not None and param.grad is not None:
-            probe.meter.mark_host(param.grad)
+        active = meter()
+        if active is not None and param.grad is not None:
+            active.mark_host(param.grad)
 
     def optimizer_step(host_phase: bool):  # type: ignore[no-untyped-def]
         def hook(*_: object) -> None:
-            if probe.meter is not None:
-                probe.meter.host_phase = host_phase
+            active = meter()
+            if active is not None:
+                active.host_phase = host_phase
 
         return hook
 

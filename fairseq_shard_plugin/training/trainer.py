@@ -157,7 +157,7 @@ class ShardedTrainer(Trainer):
             None if self.sharding_options.no_memory_report else StepMemoryProbe(self.device)
         )
         if self.offload and self._memory_probe is not None and self.device.type == "cpu":
-            watch_offloaded_state(self._memory_probe, self._model.parameters())
+            watch_offloaded_state(lambda: self._memory_probe, self._model.parameters())
         self._space_reported = False  # see _report_checkpoint_space
         if self.is_data_parallel_master:
             prediction = log_predicted_peak(self._run_description, self.device, task,
