@@ -58,12 +58,18 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    written without the plugin also has its optimizer entry relabelled for the sharded
    optimizer when its state fits (fairseq's Trainer asserts the class names match and has
    no hook in between; ``stock_optimizer_state``). Other loads pass through unchanged.
+   fairseq 0.12 reads the file through an open file object (``torch.load(f)``), which
+   copies the whole checkpoint into each process's own memory: N ranks of a host held N
+   copies of released weights. While the wrapper runs fairseq's function, the ``torch``
+   that function sees maps a zip-format checkpoint instead (``mmap=True``,
+   ``weights_only=True``): its pages are page cache, shared by the host's ranks
+   (:class:`_TorchMappingCheckpoints`).
 7. ``checkpoint_utils.torch_load_cpu`` (fairseq's nllb branch only): it casts every
    checkpoint's model to fp16 when the checkpoint's config says ``--fp16`` or
    ``--memory-efficient-fp16``. The plugin's checkpoints hold fp32 master weights under
    those flags, so a resume would round the masters (and a sharded index, holding shard
-   references instead of tensors, would fail). The replacement reads with
-   ``weights_only=True`` and skips the cast while the trainer loads and for sharded
+   references instead of tensors, would fail). The replacement maps the file with
+   ``weights_only=True`` (as hook 6 does) and skips the cast while the trainer loads and for sharded
    indexes; other loads (inference) keep the branch's cast.
 8. ``fairseq.utils.import_user_module``: the nllb branch's version raises ImportError for a
    user dir whose package is already imported (0.12 skips it), which is exactly the case
@@ -99,6 +105,8 @@ import logging
 import os
 import signal
 import sys
+import types
+import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -328,12 +336,62 @@ def _full_tensors_of_index(path: str, index: dict[str, Any]) -> dict[str, Any]:
     return fill_tensors(skeleton, full_tensors(path, index))
 
 
+def load_mapped(path: str, map_location: Any = "cpu") -> Any:
+    """``torch.load`` of a checkpoint file, mapped where its format allows (zip, as
+    ``torch.save`` writes since torch 1.6), read otherwise; never unpickling code."""
+    import torch
+
+    return torch.load(path, map_location=map_location, weights_only=True,
+                      mmap=zipfile.is_zipfile(path))
+
+
+class _TorchMappingCheckpoints(types.ModuleType):
+    """``torch`` as fairseq 0.12's ``load_checkpoint_to_cpu`` sees it under hook 6: its
+    ``torch.load(f, map_location=...)`` of an open local file maps that file
+    (:func:`load_mapped`); every other name is torch's."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return getattr(torch, name)
+
+    @staticmethod
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        path = getattr(f, "name", None)
+        if isinstance(path, str) and os.path.isfile(path) and not args \
+                and set(kwargs) <= {"map_location"}:
+            return load_mapped(path, kwargs.get("map_location", "cpu"))
+        return torch.load(f, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _checkpoints_mapped() -> Iterator[None]:
+    """While active, fairseq's ``checkpoint_utils`` maps the checkpoints it loads."""
+    import torch
+
+    if checkpoint_utils.__dict__.get("torch") is not torch:  # nested, or not fairseq's
+        yield
+        return
+    checkpoint_utils.torch = _TorchMappingCheckpoints()
+    try:
+        yield
+    finally:
+        checkpoint_utils.torch = torch
+
+
 def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., Any]:
     def load_checkpoint_to_cpu(path: str, arg_overrides: Any = None,
                                load_on_all_ranks: bool = False, **kwargs: Any) -> Any:
         from fairseq_shard_plugin.checkpoint.sharded import is_sharded_index
 
-        state = stock_load(path, arg_overrides, load_on_all_ranks, **kwargs)  # nllb: is_moe
+        with _checkpoints_mapped():
+            state = stock_load(path, arg_overrides, load_on_all_ranks,
+                               **kwargs)  # nllb: is_moe
         loader = active_trainer_loader()
         if loader is not None:
             return loader(path, state)
@@ -346,11 +404,9 @@ def _keeping_fp32_masters(stock_load_cpu: Callable[..., Any]) -> Callable[..., A
     """Replaces the nllb branch's ``torch_load_cpu`` in ``checkpoint_utils`` (hook 7)."""
 
     def torch_load_cpu(path: str) -> Any:
-        import torch
-
         from fairseq_shard_plugin.checkpoint.sharded import is_sharded_index
 
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_mapped(path)
         if active_trainer_loader() or not isinstance(state, dict) or is_sharded_index(state):
             return state  # fp32 masters for the trainer; shard references stay references
         common = (state.get("cfg") or {}).get("common") or {}

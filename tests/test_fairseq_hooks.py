@@ -107,3 +107,39 @@ def test_importing_installs_nothing_loading_the_user_dir_installs_everything() -
     """)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "installed by the user dir only"
+
+
+def test_fairseq_maps_the_checkpoints_it_loads(tmp_path: Path) -> None:
+    """fairseq 0.12 reads a checkpoint through an open file, a private copy per process;
+    under the plugin its loader maps a zip-format file (pages shared by a host's ranks) and
+    still reads an old-format one; ``checkpoint_utils.torch`` is torch again afterwards."""
+    result = run_python(f"""
+        import torch
+        import fairseq.checkpoint_utils as checkpoint_utils
+
+        import fairseq_shard_plugin
+        fairseq_shard_plugin.activate()
+
+        def mapped(path):
+            return any(line.rstrip().endswith(path) for line in open("/proc/self/maps"))
+
+        zip_file, legacy = "{tmp_path}/zip.pt", "{tmp_path}/legacy.pt"
+        state = {{"model": {{"w": torch.arange(4096.0)}}, "args": None, "cfg": None,
+                  "optimizer_history": [{{"criterion_name": "CrossEntropyCriterion",
+                                          "optimizer_name": "FairseqAdam",
+                                          "lr_scheduler_state": {{"best": None}},
+                                          "num_updates": 0}}],
+                  "extra_state": {{"train_iterator": {{"epoch": 1}}}}}}
+        torch.save(state, zip_file)
+        torch.save(state, legacy, _use_new_zipfile_serialization=False)
+        loaded = checkpoint_utils.load_checkpoint_to_cpu(zip_file)
+        assert mapped(zip_file), "read, not mapped"
+        assert torch.equal(loaded["model"]["w"], state["model"]["w"])
+        del loaded
+        old = checkpoint_utils.load_checkpoint_to_cpu(legacy)
+        assert not mapped(legacy) and torch.equal(old["model"]["w"], state["model"]["w"])
+        assert checkpoint_utils.torch is torch
+        print("mapped")
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "mapped"
