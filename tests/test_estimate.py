@@ -589,8 +589,8 @@ def test_16_bit_gradient_shards_are_cast_after_an_fp32_reduction() -> None:
 def test_host_memory_of_each_case_on_gpu_ranks() -> None:
     """Building the model: 4 B x P per rank; a step: nothing (state on the device) or, with
     --cpu-offload, the state and the optimizer step's transient; a full save: P x (param +
-    optimizer bytes) on rank 0; a sharded save: one unit's local shards; a load: the file
-    once per host (page cache) and each rank's 1/N of it."""
+    optimizer bytes) on rank 0; a sharded save: one unit's local shards; a load: the mapped
+    file (page cache, once per host) and the shards it fills where they are on the host."""
     p, n, ranks = NLLB_LIKE.parameters, 2, 8
     host = HostSetup(ranks_per_node=ranks)
     # layers are sharded as fairseq builds them: the rest in fp32 and one layer at a time
@@ -609,7 +609,11 @@ def test_host_memory_of_each_case_on_gpu_ranks() -> None:
                     "training step": (0, 0),
                     "save, full format": (saved * p, saved * p),
                     "save, sharded format": (saved * local, ranks * saved * local),
-                    "load of a full checkpoint": (4 * p / n, 4 * p + ranks * 4 * p / n)}
+                    # mapped files count in each rank's RSS, once per host; on GPUs the
+                    # shards they fill are on the device
+                    "load of released weights": (4 * p, 4 * p),
+                    "resume, full format": (12 * p, 12 * p),
+                    "resume, sharded format": (0, 0)}
         for name, (per_rank, per_host) in expected.items():
             assert cases[name].per_rank == pytest.approx(per_rank), name
             assert cases[name].per_host == pytest.approx(per_host), name
@@ -622,8 +626,16 @@ def test_host_memory_of_each_case_on_gpu_ranks() -> None:
         assert cases["training step"].per_host == pytest.approx(ranks * step)
         assert cases["save, full format"].per_rank == pytest.approx(state + saved * p)
         assert cases["save, full format"].per_host == pytest.approx(ranks * state + saved * p)
-        assert cases["load of a full checkpoint"].per_host == pytest.approx(
-            GIB + ranks * (state + GIB / n))
+        copying = 4 * local  # one fp32 slice of a unit, on the host
+        params = setup.param_bytes * p / n
+        assert cases["load of released weights"].per_rank == pytest.approx(
+            GIB + params + copying)
+        assert cases["load of released weights"].per_host == pytest.approx(
+            GIB + ranks * (params + copying))
+        kept = (setup.param_bytes + setup.optimizer_bytes) * p / n
+        assert cases["resume, full format"].per_host == pytest.approx(
+            12 * p + ranks * (kept + copying))
+        assert cases["resume, sharded format"].per_rank == pytest.approx(kept + params)
     fp32_sharded = host_memory(NLLB_LIKE, TrainingSetup(world_size=n), host)
     assert fp32_sharded["save, full format"].per_rank == 12 * p  # fp32 params and moments
 
@@ -686,8 +698,9 @@ def test_the_cli_reports_16_bit_state_and_host_memory(capsys: pytest.CaptureFixt
     assert (host["ranks_per_node"], host["cpu"], host["checkpoint_format"]) == (4, False,
                                                                                "sharded")
     assert set(host["cases"]) == set(HOST_CASES)
-    load = host["cases"]["load of a full checkpoint"]
-    assert load["per_host_gib"] == pytest.approx(0.5 + 4 * load["per_rank_gib"])
+    load = host["cases"]["load of released weights"]
+    own = load["per_rank_gib"] - 0.5  # the mapped file counts in each rank, once per host
+    assert load["per_host_gib"] == pytest.approx(0.5 + 4 * own)
     assert host["peak"]["case"] in ("model construction", "training step",
                                     "save, sharded format")
     estimate_main(flags)

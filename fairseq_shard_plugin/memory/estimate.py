@@ -109,8 +109,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-format", choices=("full", "sharded"), default="full",
                    help="the plugin's flag: the format the run saves in (its host peak)")
     p.add_argument("--checkpoint-file-gib", type=float, metavar="GIB",
-                   help="size of a full checkpoint to load (default: fp32 weights alone, "
-                   "4 B per parameter)")
+                   help="size of the released weights to fine-tune from (default: fp32 "
+                   "weights alone, 4 B per parameter)")
     p.add_argument("--memory-budget", type=float, metavar="GIB",
                    help="also print the largest --max-tokens whose estimated peak fits in "
                    "GIB per rank (e.g. a GPU's memory less some headroom)")
@@ -336,13 +336,15 @@ def host_table(host: dict[str, Any]) -> str:
         lines.append(label.ljust(28) + f"{each['per_rank_gib']:{width}.2f}"
                      + f"{each['per_host_gib']:{width}.2f}")
     file = f"{host['checkpoint_file_gib']:.2f} GiB"
+    loads = (f"the loads count their mapped file ({file} of released weights) in each rank "
+             "but once per host: clean page cache, which the kernel reclaims")
     if host["cpu"]:
         lines.append("(CPU ranks: host memory is the device memory, so the training step is "
-                     f"the peak above; the load counts its {file} file once per host)")
+                     f"the peak above; {loads})")
     else:
         lines.append("(GPU ranks: each builds the model in fp32 on the host, sharding each "
-                     "layer as it is built; a full save gathers on rank 0; the load counts its "
-                     f"{file} file once per host, mapped; --cpu for CPU ranks)")
+                     f"layer as it is built; a full save gathers on rank 0; {loads}; --cpu "
+                     "for CPU ranks)")
     return "\n".join(lines)
 
 

@@ -35,8 +35,8 @@ unit, freed once the gather's output is filled); with 16-bit shards no cast is n
 copy is short-lived and falls at none of the moments below, so it is not counted either way.
 
 Host memory (:func:`host_memory`) is modelled per case, one function each: building the
-model, the training step, a save in either checkpoint format and the load of a full
-checkpoint; per rank and per host (a node's ranks together).
+model, the training step, a save and a resume in either checkpoint format and the load of
+released weights; per rank and per host (a node's ranks together).
 
 The peak is the largest of a few moments of the step; each is a sum of the tensors live
 then, as the CPU allocator's events show them (``allocator_meter.AllocatorMeter``). The
@@ -446,7 +446,7 @@ class HostSetup:
 
     ranks_per_node: int  # ranks sharing one host's memory
     cpu: bool = False  # the ranks compute on the host (--cpu): its memory is the device's
-    checkpoint_file_bytes: float | None = None  # a full checkpoint to load (None: 4 B/param)
+    checkpoint_file_bytes: float | None = None  # released weights to load (None: 4 B/param)
 
 
 @dataclass(frozen=True)
@@ -518,20 +518,59 @@ def sharded_save_host(shape: ModelShape, setup: TrainingSetup, result: Estimate,
     return HostPeak(per_rank, host.ranks_per_node * per_rank)
 
 
-def full_load_host(shape: ModelShape, setup: TrainingSetup, result: Estimate,
-                   host: HostSetup) -> HostPeak:
-    """Loading a full checkpoint (released weights; 4 B x parameters unless its size is
-    given): ``torch.load`` maps the file, so its pages sit in the page cache once per host,
-    shared by its ranks; each rank copies out its own shard (file / N) on top of its own
-    host state."""
+def _host_shards(shape: ModelShape, setup: TrainingSetup, host: HostSetup,
+                 bytes_per_parameter: float) -> float:
+    """A rank's shards of ``bytes_per_parameter`` x P where they live on the host (CPU ranks
+    or ``--cpu-offload``; on GPUs otherwise none)."""
+    on_host = host.cpu or setup.cpu_offload
+    return bytes_per_parameter * shape.parameters / setup.world_size if on_host else 0.0
+
+
+def _mapped_load(shape: ModelShape, setup: TrainingSetup, host: HostSetup, file: float,
+                 kept: float) -> HostPeak:
+    """A load of a ``file`` that ``torch.load`` maps: its pages are clean page cache,
+    counted in each rank's RSS but held once per host (and reclaimable). Each rank's own:
+    the ``kept`` shards and, where they live on the host, one fp32 slice of a unit being
+    copied (``load_state_dict`` copies the mapped tensors' slices tensor by tensor)."""
+    copying = (4.0 * largest_local_elements(shape, setup)
+               if host.cpu or setup.cpu_offload else 0.0)
+    private = kept + copying
+    return HostPeak(private + file, file + host.ranks_per_node * private)
+
+
+def released_load_host(shape: ModelShape, setup: TrainingSetup, host: HostSetup
+                       ) -> HostPeak:
+    """Fine-tuning from released weights (``--finetune-from-model``, or ``--restore-file``
+    with ``--reset-optimizer``; 4 B x parameters unless its size is given): no optimizer
+    state or gradient exists yet: each rank keeps its parameter shards."""
     file = host.checkpoint_file_bytes
     file = 4.0 * shape.parameters if file is None else file
-    per_rank = resident_host(result, host) + file / setup.world_size
-    return HostPeak(per_rank, file + host.ranks_per_node * per_rank)
+    return _mapped_load(shape, setup, host, file,
+                        _host_shards(shape, setup, host, setup.param_bytes))
+
+
+def full_resume_host(shape: ModelShape, setup: TrainingSetup, host: HostSetup) -> HostPeak:
+    """Resuming from a full checkpoint of this run: fairseq writes parameters and moments
+    in fp32 (12 B x parameters with Adam, 4 B with SGD); each rank keeps its parameter and
+    optimizer shards (the optimizer state is sliced before torch loads it)."""
+    moments = 8.0 if setup.optimizer == "adam" else 0.0
+    file = (4.0 + moments) * shape.parameters
+    kept = _host_shards(shape, setup, host, setup.param_bytes + setup.optimizer_bytes)
+    return _mapped_load(shape, setup, host, file, kept)
+
+
+def sharded_resume_host(shape: ModelShape, setup: TrainingSetup, host: HostSetup
+                        ) -> HostPeak:
+    """Resuming from a sharded checkpoint: each rank reads its shards into fresh tensors
+    (read, not mapped); the optimizer takes its own as they are, the parameters are copied
+    into the model's shards, so a rank briefly holds its parameter shards twice."""
+    kept = _host_shards(shape, setup, host, 2 * setup.param_bytes + setup.optimizer_bytes)
+    return HostPeak(kept, host.ranks_per_node * kept)
 
 
 HOST_CASES = ("model construction", "training step", "save, full format",
-              "save, sharded format", "load of a full checkpoint")
+              "save, sharded format", "load of released weights", "resume, full format",
+              "resume, sharded format")
 
 
 def host_memory(shape: ModelShape, setup: TrainingSetup, host: HostSetup
@@ -543,7 +582,9 @@ def host_memory(shape: ModelShape, setup: TrainingSetup, host: HostSetup
         "training step": training_step_host(result, host),
         "save, full format": full_save_host(shape, setup, result, host),
         "save, sharded format": sharded_save_host(shape, setup, result, host),
-        "load of a full checkpoint": full_load_host(shape, setup, result, host),
+        "load of released weights": released_load_host(shape, setup, host),
+        "resume, full format": full_resume_host(shape, setup, host),
+        "resume, sharded format": sharded_resume_host(shape, setup, host),
     }
 
 
