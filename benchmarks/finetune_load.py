@@ -1,0 +1,184 @@
+"""Host memory of fine-tuning from a released checkpoint at world size 1 with the one-GPU
+recipe's settings, measured on a CPU rank.
+
+The one-GPU recipe (``configs/nllb/finetune_3_3b_1gpu.yaml``) starts from a released fairseq
+checkpoint: fp32 weights, no optimizer state. This writes such a file for an NLLB-shaped
+model (the dictionary padded to NLLB's 256,206 entries), then runs one ``fairseq-train``
+rank with ``--finetune-from-model`` and the recipe's settings (``--cpu-offload``, 16-bit
+parameter and gradient shards, fp16 Adam moments, activation checkpointing, the chunked
+loss) for one update, sampling the process's resident memory from ``/proc/PID/status``
+every 50 ms: anonymous pages (``RssAnon``: the process's own memory) and file pages
+(``RssFile``: the mapped checkpoint, clean page cache the kernel can reclaim and that all
+ranks of a host share). Phases are told apart by the log: the model is built and sharded
+(the plugin's plan line), the checkpoint is loaded (fairseq's "loaded checkpoint" line),
+then the update. The estimator's host cases for the same run are printed beside it.
+
+    python -m benchmarks.finetune_load [--arch nllb_dense_1_3b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from benchmarks.gpu_check import pad_dictionary
+from launching.harness import (
+    BIN,
+    PLUGIN_DIR,
+    RESULTS,
+    start_ranks,
+    tool,
+    training_args,
+    write_results,
+)
+
+GIB = 1024**3
+NLLB_VOCABULARY = 256206
+TOKENS = 4096
+RECIPE = ["--task", "sharded_translation", "--ddp-backend", "fully_sharded", "--cpu-offload",
+          "--bf16", "--memory-efficient-bf16", "--fp16-adam-stats", "--checkpoint-activations",
+          "--criterion", "chunked_label_smoothed_cross_entropy", "--loss-chunk-tokens", "512",
+          "--no-save", "--disable-validation"]
+PHASES = ("built", "loaded", "trained")
+ESTIMATED = {"built": "model construction", "loaded": "load of released weights",
+             "trained": "training step"}
+LINES = {"built": "sharded over 1 ranks", "loaded": "loaded checkpoint"}
+
+
+def write_released_checkpoint(data: Path, arch: str, path: Path) -> int:
+    """A checkpoint in the layout fairseq releases: the model's fp32 weights, its config
+    and an empty optimizer history. Returns its size in bytes."""
+    import torch
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from omegaconf import OmegaConf
+
+    import fairseq_shard_plugin
+
+    fairseq_shard_plugin.activate()  # the NLLB archs and the plugin's task
+    flags = [str(data), "--task", "sharded_translation", "--arch", arch]
+    cfg = convert_namespace_to_omegaconf(
+        options.parse_args_and_arch(options.get_training_parser(), flags))
+    model = tasks.setup_task(cfg.task).build_model(cfg.model)
+    torch.save({
+        "args": None, "cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+        "model": model.state_dict(), "criterion": {},
+        "optimizer_history": [{"criterion_name": "LabelSmoothedCrossEntropyCriterion",
+                               "optimizer_name": "FairseqAdam",
+                               "lr_scheduler_state": {"best": None}, "num_updates": 0}],
+        "task_state": {}, "extra_state": {"train_iterator": {"epoch": 1}},
+        "last_optimizer_state": None,
+    }, path)
+    del model
+    return path.stat().st_size
+
+
+def resident(pid: int) -> dict[str, int]:
+    """``RssAnon``, ``RssFile`` and ``VmHWM`` of a process, in bytes."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("RssAnon", "RssFile", "VmHWM"):
+            fields[name] = int(value.split()[0]) * 1024
+    return fields
+
+
+class PhaseSampler:
+    """Per phase (decided by the log lines seen so far): the rank's anonymous memory when
+    the phase began, its largest anonymous and file-backed resident memory, and its peak
+    RSS so far."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, dict[str, int]] = {}
+
+    def __call__(self, ranks: list, outputs: list[str]) -> None:
+        text = outputs[0].lower()
+        phase = next((p for p in PHASES[:-1] if LINES[p] not in text), PHASES[-1])
+        try:
+            now = resident(ranks[0].pid)
+        except (OSError, ValueError):  # the rank has just ended
+            return
+        if len(now) < 3:  # a process just started or ended has no memory fields
+            return
+        peaks = self.peaks.setdefault(phase, {"start": now["RssAnon"], **now})
+        for name, value in now.items():
+            peaks[name] = max(peaks[name], value)
+
+
+def estimated(arch: str, file_bytes: int) -> dict[str, float]:
+    """The estimator's host cases for this run on a CPU rank, GiB per rank."""
+    from fairseq_shard_plugin.memory.estimate import run
+
+    report = run(["--arch", arch, "--vocab", str(NLLB_VOCABULARY), "--world-size", "1",
+                  "--max-tokens", str(TOKENS), "--memory-efficient-bf16",
+                  "--fp16-adam-stats", "--criterion", "chunked_label_smoothed_cross_entropy",
+                  "--loss-chunk-tokens", "512", "--checkpoint-activations", "--cpu-offload",
+                  "--cpu", "--checkpoint-file-gib", str(file_bytes / GIB)])
+    return {name: round(case["per_rank_gib"], 2)
+            for name, case in report["host"]["cases"].items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", default="nllb_dense_600m")
+    parser.add_argument("--plugin-dir", type=Path, default=PLUGIN_DIR,
+                        help="another checkout's plugin (e.g. the commit before a change)")
+    parser.add_argument("--label", default="file mapped")
+    options = parser.parse_args(argv)
+    from fairseq_shard_plugin.cli.synthetic_data import make_corpus
+
+    with tempfile.TemporaryDirectory() as directory:
+        data = make_corpus(Path(directory) / "data", vocab=2000, train=400, valid=20,
+                           max_len=64)
+        pad_dictionary(data, NLLB_VOCABULARY)
+        released = Path(directory) / "released.pt"
+        file_bytes = write_released_checkpoint(data, options.arch, released)
+        command = [tool("fairseq-train"),
+                   *training_args(data, Path(directory) / "save", 1, max_tokens=TOKENS),
+                   "--arch", options.arch, *RECIPE, "--finetune-from-model", str(released),
+                   "--user-dir", str(options.plugin_dir)]
+        env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+                   PYTHONUNBUFFERED="1")
+        sampler = PhaseSampler()
+        code, output = start_ranks(command, 1, env, timeout=3600, watch=sampler)
+        if code != 0 or "train_inner" not in output:
+            raise RuntimeError(f"the fine-tuning run failed ({code}):\n{output[-6000:]}")
+    cases = estimated(options.arch, file_bytes)
+    rows = [{"arch": options.arch, "build": options.label, "phase": phase,
+             "file_gib": round(file_bytes / GIB, 2),
+             "anonymous_at_start_gib": round(peaks["start"] / GIB, 2),
+             "anonymous_gib": round(peaks["RssAnon"] / GIB, 2),
+             "file_pages_gib": round(peaks["RssFile"] / GIB, 2),
+             "peak_rss_gib": round(peaks["VmHWM"] / GIB, 2),
+             "estimated_gib": cases[ESTIMATED[phase]]}
+            for phase, peaks in sampler.peaks.items()]
+    print(json.dumps(rows), flush=True)
+    path = RESULTS / "finetune_load.json"
+    kept = [r for r in (json.loads(path.read_text()) if path.exists() else [])
+            if (r["arch"], r.get("build")) != (options.arch, options.label)]
+    path.write_text(json.dumps(kept + rows, indent=2) + "\n")
+    note = (f"GiB, one CPU rank of fairseq-train fine-tuning from a released-layout fp32 "
+            f"checkpoint (`--finetune-from-model`) with the one-GPU recipe's settings "
+            f"(--cpu-offload, --memory-efficient-bf16, --fp16-adam-stats, activation "
+            f"checkpointing, chunked loss, {TOKENS} tokens), one update. Per phase, the "
+            "largest anonymous resident memory (RssAnon, the process's own) and file pages "
+            "(RssFile: the mapped checkpoint, page cache that ranks of a host share and the "
+            "kernel can reclaim), sampled every 50 ms; peak RSS is VmHWM at the phase's "
+            "end. Estimated: fairseq-shard-estimate's host case for the phase (model "
+            "construction, load of released weights, training step) with the same settings "
+            "and --cpu, which leaves out the Python process itself (about 0.6 GiB with "
+            "fairseq imported). Produced by `python -m benchmarks.finetune_load --arch "
+            "ARCH` (the previous build: `--plugin-dir` of a checkout of the commit before "
+            "the change, with `--label`).")
+    print(write_results("finetune_load", kept + rows, [
+        ("arch", "arch"), ("build", "build"), ("phase", "phase"),
+        ("checkpoint file", "file_gib"), ("anonymous at start", "anonymous_at_start_gib"),
+        ("anonymous", "anonymous_gib"), ("file pages", "file_pages_gib"),
+        ("peak RSS", "peak_rss_gib"), ("estimated", "estimated_gib")], note))
+
+
+if __name__ == "__main__":
+    main()
