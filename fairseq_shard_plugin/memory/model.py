@@ -462,17 +462,34 @@ def construction_host(shape: ModelShape, setup: TrainingSetup, host: HostSetup
                       ) -> HostPeak:
     """Building the model: fairseq builds each rank's model in fp32 on the host, and the
     plugin shards every transformer layer as soon as it is built
-    (``parallelize.shard_layer_as_built``). The peak, at the last layer: the parameters
-    outside the layers in fp32 (embeddings, norms), one layer in fp32, and the layers'
-    shards where they stay on the host (CPU ranks or ``--cpu-offload``; on a GPU they move
-    to it), all ranks of a node at once."""
+    (``parallelize.shard_layer_as_built``); the layers' shards stay on the host on CPU ranks
+    or with ``--cpu-offload`` (on a GPU they move to it). The peak is the larger of two
+    moments, all ranks of a node at once:
+
+    - the last layer built: the parameters outside the layers in fp32 (embeddings, norms)
+      and one layer in fp32;
+    - the decoder's output projection built: fairseq creates it as a new fp32
+      ``nn.Linear`` (vocabulary x dimension, initialised) before tying it to the embedding,
+      after every layer exists (``TransformerDecoderBase.build_output_projection``);
+    - the rest sharded after the last layer: with 16-bit parameter shards the rest is cast
+      first (its fp32 and 16-bit copies alive together), then FSDP copies it into this
+      rank's shards (the unsharded copy still alive)."""
     layers = (shape.encoder_layers * shape.encoder_layer_parameters
               + shape.decoder_layers * shape.decoder_layer_parameters)
     outside_layers = shape.parameters - layers
     largest_layer = max(shape.encoder_layer_parameters, shape.decoder_layer_parameters)
-    shards = (setup.param_bytes * layers / setup.world_size
-              if host.cpu or setup.cpu_offload else 0.0)
-    per_rank = 4.0 * (outside_layers + largest_layer) + shards
+    on_host = host.cpu or setup.cpu_offload
+    shards = setup.param_bytes * layers / setup.world_size if on_host else 0.0
+    last_layer = 4.0 * (outside_layers + largest_layer)
+    cast = setup.param_bytes * outside_layers if setup.param_bytes < 4 else 0.0
+    rest_sharded = (setup.param_bytes * outside_layers / setup.world_size if on_host
+                    else 0.0)
+    rest = max(4.0 * outside_layers + cast,
+               setup.param_bytes * outside_layers + rest_sharded)
+    projection = shape.vocabulary * shape.decoder_dim
+    tied = shape.vocabulary_unit_parameters < 2 * projection  # embedding and projection
+    untied_projection = 4.0 * (outside_layers + projection) if tied else 0.0
+    per_rank = max(last_layer, untied_projection, rest) + shards
     return HostPeak(per_rank, host.ranks_per_node * per_rank)
 
 
