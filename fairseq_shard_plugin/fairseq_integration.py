@@ -69,8 +69,8 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    ``--memory-efficient-fp16``. The plugin's checkpoints hold fp32 master weights under
    those flags, so a resume would round the masters (and a sharded index, holding shard
    references instead of tensors, would fail). The replacement maps the file with
-   ``weights_only=True`` (as hook 6 does) and skips the cast while the trainer loads and for sharded
-   indexes; other loads (inference) keep the branch's cast.
+   ``weights_only=True`` (as hook 6 does) and skips the cast while the trainer loads and
+   for sharded indexes; other loads (inference) keep the branch's cast.
 8. ``fairseq.utils.import_user_module``: the nllb branch's version raises ImportError for a
    user dir whose package is already imported (0.12 skips it), which is exactly the case
    under ``fairseq-hydra-train`` once the plugin's Hydra callback has imported it. The
