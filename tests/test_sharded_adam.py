@@ -69,9 +69,13 @@ def test_fp32_state_updates_as_fairseqs_adam() -> None:
     assert state["exp_avg"].dtype == torch.float32 and state["step"] == STEPS
 
 
-def test_fp16_moments_take_fused_adam_v1_layout_and_track_fp32() -> None:
+@pytest.mark.parametrize("factor", [1.0, 1 / 512], ids=["unscaled", "loss-scaled"])
+def test_fp16_moments_take_fused_adam_v1_layout_and_track_fp32(factor: float) -> None:
+    """Also with fp32 gradients that a loss scale left scaled (``--fp16 --fp16-adam-stats``):
+    the factor is applied once, in both passes over the gradients."""
     reference, fp32 = trained(lambda params: ShardedAdam(params, **SETTINGS))
-    ours, optimizer = trained(lambda params: ShardedAdam(params, fp16_moments=True, **SETTINGS))
+    ours, optimizer = trained(lambda params: ShardedAdam(params, fp16_moments=True, **SETTINGS),
+                              factor=factor)
     assert_params_close(ours, reference, rtol=1e-4, atol=1e-5)
     for param, fp32_param in zip(ours[:2], reference[:2], strict=True):  # not the empty one
         state, fp32_state = optimizer.state[param], fp32.state[fp32_param]

@@ -119,11 +119,14 @@ class ShardedAdam(torch.optim.Optimizer):
                 continue
             for start, stop in _pieces(param):
                 exp_avg, exp_avg_sq = _piece_moments(self.state[param], param, start, stop)
-                grad = _flat(param.grad)[start:stop].float().mul_(grad_factor)
-                exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                for which, moment in enumerate((exp_avg, exp_avg_sq)):
-                    maxima[index, which] = max(maxima[index, which], _largest_magnitude(moment))
+                # the factor goes into the coefficients: an fp32 gradient is the gradient
+                # itself (``.float()`` is no copy), which the update still reads unscaled
+                grad = _flat(param.grad)[start:stop].float()
+                exp_avg.mul_(beta1).add_(grad, alpha=(1 - beta1) * grad_factor)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=(1 - beta2) * grad_factor**2)
+                maxima[index, 0] = max(maxima[index, 0], _largest_magnitude(exp_avg))
+                # the second moment is never negative: its largest value is the largest
+                maxima[index, 1] = max(maxima[index, 1], _largest_value(exp_avg_sq))
         if self.max_over_ranks is not None:
             self.max_over_ranks(maxima.view(-1))
         return 1e-8 + maxima / FLOAT16_MAX
@@ -214,7 +217,15 @@ def _ensure_fp32_moments(state: dict[str, Any], param: torch.Tensor) -> None:
 
 
 def _largest_magnitude(tensor: torch.Tensor) -> float:
-    return float(tensor.abs().amax()) if tensor.numel() else 0.0
+    """max |x| in one pass and without a temporary (``abs`` would allocate one)."""
+    if not tensor.numel():
+        return 0.0
+    smallest, largest = torch.aminmax(tensor)
+    return max(-float(smallest), float(largest))
+
+
+def _largest_value(tensor: torch.Tensor) -> float:
+    return float(tensor.amax()) if tensor.numel() else 0.0
 
 
 def _chunks(params: list[torch.Tensor], state: dict[torch.Tensor, dict[str, Any]]
