@@ -204,3 +204,31 @@ def test_a_parameter_without_gradient_keeps_its_place_and_its_values() -> None:
     assert lengths == [2 * len(SHAPES)]
     assert torch.equal(params[0], before) and params[0] not in optimizer.state
     assert optimizer.state[params[1]]["step"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scales_are_the_largest_new_moments(dtype: torch.dtype) -> None:
+    """The scales pass reads the stored fp16 moments and the gradient in one operation per
+    moment; its maxima are those of the new moments, computed here in float64 from the same
+    state and gradient (loss-scaled, over pieces)."""
+    params = start_params(dtype)
+    optimizer = ShardedAdam(params, fp16_moments=True, **SETTINGS)
+    train(optimizer, params, gradients(3), factor=1 / 512)  # scaled fp16 moments exist
+    beta1, beta2 = SETTINGS["betas"]
+    before = {id(p): {key: value.clone() if isinstance(value, torch.Tensor) else value
+                      for key, value in optimizer.state[p].items()} for p in params}
+    grads = gradients(4)[3]
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = (grad * 512).to(dtype)
+    # as read (torch's fused kernel unscales fp32 gradients in place)
+    read = [param.grad.double() / 512 for param in params]
+    optimizer.step(grad_factor=1 / 512)
+    for param, grad in zip(params[:2], read, strict=False):  # not the empty one
+        state, old = optimizer.state[param], before[id(param)]
+        first = beta1 * old["exp_avg"].double() * old["exp_avg_scale"] + (1 - beta1) * grad
+        second = (beta2 * old["exp_avg_sq"].double() * old["exp_avg_sq_scale"]
+                  + (1 - beta2) * grad * grad)
+        assert state["exp_avg_scale"] == pytest.approx(
+            1e-8 + float(first.abs().max()) / 65504, rel=1e-6)
+        assert state["exp_avg_sq_scale"] == pytest.approx(
+            1e-8 + float(second.max()) / 65504, rel=1e-6)
