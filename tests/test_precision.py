@@ -37,9 +37,12 @@ from tiny_training import REFERENCE_UPDATES, TINY
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
 
 UPDATES = REFERENCE_UPDATES
-TOLERANCE = {"fp16": 1e-3, "bf16": 5e-3, "16-bit state": 1e-3}
+TOLERANCE = {"fp16": 1e-3, "bf16": 5e-3, "fp16 moments": 1e-3, "16-bit state": 1e-3}
 # the run's flags; "16-bit state" also saves at update 25, for the resume below
 FLAGS = {"fp16": ["--fp16"], "bf16": ["--bf16"],
+         # fp32 masters and gradients, fp16 moments: the loss scale reaches the plugin's
+         # Adam as a factor on fp32 gradients
+         "fp16 moments": ["--fp16", "--fp16-adam-stats"],
          "16-bit state": ["--memory-efficient-fp16", "--fp16-adam-stats",
                           "--save-interval-updates", "25"]}
 HELPERS = REPO / "tests" / "helpers"
@@ -88,6 +91,13 @@ def test_16_bit_compute_lowers_the_peak(runs: dict[str, RunResult], precision: s
     # the model state (fp32 masters, gradients, Adam moments) is the same in every precision
     fp32_state = runs["fp32"].series("train", "train_state_mem_gb")[-1]
     assert runs[precision].series("train", "train_state_mem_gb")[-1] == fp32_state
+
+
+def test_fp16_moments_take_a_quarter_less_model_state(runs: dict[str, RunResult]) -> None:
+    """12 bytes per parameter (fp32 masters and gradients, fp16 moments) against 16."""
+    fp32_state = runs["fp32"].series("train", "train_state_mem_gb")[-1]
+    state = runs["fp16 moments"].series("train", "train_state_mem_gb")[-1]
+    assert state == pytest.approx(0.75 * fp32_state, abs=1e-4)  # logged to 1e-4 GB
 
 
 def test_fp16_logs_its_loss_scale(runs: dict[str, RunResult]) -> None:
