@@ -1,19 +1,20 @@
-"""Host memory of fine-tuning from a released checkpoint at world size 1 with the one-GPU
-recipe's settings, measured on a CPU rank.
+"""Host memory of fine-tuning from a released checkpoint with the one-GPU recipe's settings,
+measured on CPU ranks of one host.
 
 The one-GPU recipe (``configs/nllb/finetune_3_3b_1gpu.yaml``) starts from a released fairseq
 checkpoint: fp32 weights, no optimizer state. This writes such a file for an NLLB-shaped
-model (the dictionary padded to NLLB's 256,206 entries), then runs one ``fairseq-train``
-rank with ``--finetune-from-model`` and the recipe's settings (``--cpu-offload``, 16-bit
-parameter and gradient shards, fp16 Adam moments, activation checkpointing, the chunked
-loss) for one update, sampling the process's resident memory from ``/proc/PID/status``
-every 50 ms: anonymous pages (``RssAnon``: the process's own memory) and file pages
-(``RssFile``: the mapped checkpoint, clean page cache the kernel can reclaim and that all
-ranks of a host share). Phases are told apart by the log: the model is built and sharded
+model (the dictionary padded to NLLB's 256,206 entries), then runs ``fairseq-train`` on
+``--ranks`` ranks (default 1) with ``--finetune-from-model`` and the recipe's settings
+(``--cpu-offload``, 16-bit parameter and gradient shards, fp16 Adam moments, activation
+checkpointing, the chunked loss) for one update, sampling each rank's resident memory from
+``/proc/PID/status`` and ``smaps_rollup`` every 50 ms: anonymous pages (``RssAnon``: the
+process's own memory) and file pages (``RssFile``: the mapped checkpoint, clean page cache
+the kernel can reclaim and that all ranks of a host share; ``Pss_File`` divides each page
+among the ranks that map it). Phases are told apart by the log: the model is built and sharded
 (the plugin's plan line), the checkpoint is loaded (fairseq's "loaded checkpoint" line),
 then the update. The estimator's host cases for the same run are printed beside it.
 
-    python -m benchmarks.finetune_load [--arch nllb_dense_1_3b]
+    python -m benchmarks.finetune_load [--arch nllb_dense_1_3b] [--ranks 2]
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ RECIPE = ["--task", "sharded_translation", "--ddp-backend", "fully_sharded", "--
 PHASES = ("built", "loaded", "trained")
 ESTIMATED = {"built": "model construction", "loaded": "load of released weights",
              "trained": "training step"}
-LINES = {"built": "sharded over 1 ranks", "loaded": "loaded checkpoint"}
+LINES = {"built": "sharded over ", "loaded": "loaded checkpoint"}
 
 
 def write_released_checkpoint(data: Path, arch: str, path: Path) -> int:
@@ -77,19 +78,26 @@ def write_released_checkpoint(data: Path, arch: str, path: Path) -> int:
 
 
 def resident(pid: int) -> dict[str, int]:
-    """``RssAnon``, ``RssFile`` and ``VmHWM`` of a process, in bytes."""
+    """``RssAnon``, ``RssFile`` and ``VmHWM`` of a process, and its proportional share of
+    file pages (``Pss_File``: a page that two processes map counts half in each), in
+    bytes; empty for a process that has no memory (yet or any more)."""
     fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         name, _, value = line.partition(":")
         if name in ("RssAnon", "RssFile", "VmHWM"):
             fields[name] = int(value.split()[0]) * 1024
-    return fields
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name == "Pss_File":
+            fields[name] = int(value.split()[0]) * 1024
+    return fields if len(fields) == 4 else {}
 
 
 class PhaseSampler:
-    """Per phase (decided by the log lines seen so far): the rank's anonymous memory when
-    the phase began, its largest anonymous and file-backed resident memory, and its peak
-    RSS so far."""
+    """Per phase (decided by rank 0's log lines seen so far): the ranks' anonymous memory
+    when the phase began, their largest anonymous and file-backed resident memory and peak
+    RSS so far (the largest rank's), and the largest file pages of all ranks together
+    counted once (the sum of their proportional shares)."""
 
     def __init__(self) -> None:
         self.peaks: dict[str, dict[str, int]] = {}
@@ -98,21 +106,24 @@ class PhaseSampler:
         text = outputs[0].lower()
         phase = next((p for p in PHASES[:-1] if LINES[p] not in text), PHASES[-1])
         try:
-            now = resident(ranks[0].pid)
-        except (OSError, ValueError):  # the rank has just ended
+            now = [resident(rank.pid) for rank in ranks]
+        except (OSError, ValueError):  # a rank has just ended
             return
-        if len(now) < 3:  # a process just started or ended has no memory fields
+        if not all(now):
             return
-        peaks = self.peaks.setdefault(phase, {"start": now["RssAnon"], **now})
-        for name, value in now.items():
+        largest = {name: max(each[name] for each in now)
+                   for name in ("RssAnon", "RssFile", "VmHWM")}
+        largest["all_ranks_file"] = sum(each["Pss_File"] for each in now)
+        peaks = self.peaks.setdefault(phase, {"start": largest["RssAnon"], **largest})
+        for name, value in largest.items():
             peaks[name] = max(peaks[name], value)
 
 
-def estimated(arch: str, file_bytes: int) -> dict[str, float]:
-    """The estimator's host cases for this run on a CPU rank, GiB per rank."""
+def estimated(arch: str, file_bytes: int, ranks: int) -> dict[str, float]:
+    """The estimator's host cases for this run on CPU ranks, GiB per rank."""
     from fairseq_shard_plugin.memory.estimate import run
 
-    report = run(["--arch", arch, "--vocab", str(NLLB_VOCABULARY), "--world-size", "1",
+    report = run(["--arch", arch, "--vocab", str(NLLB_VOCABULARY), "--world-size", str(ranks),
                   "--max-tokens", str(TOKENS), "--memory-efficient-bf16",
                   "--fp16-adam-stats", "--criterion", "chunked_label_smoothed_cross_entropy",
                   "--loss-chunk-tokens", "512", "--checkpoint-activations", "--cpu-offload",
@@ -127,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plugin-dir", type=Path, default=PLUGIN_DIR,
                         help="another checkout's plugin (e.g. the commit before a change)")
     parser.add_argument("--label", default="file mapped")
+    parser.add_argument("--ranks", type=int, default=1, help="ranks of this host")
     options = parser.parse_args(argv)
     from fairseq_shard_plugin.cli.synthetic_data import make_corpus
 
@@ -143,41 +155,49 @@ def main(argv: list[str] | None = None) -> None:
         env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
                    PYTHONUNBUFFERED="1")
         sampler = PhaseSampler()
-        code, output = start_ranks(command, 1, env, timeout=3600, watch=sampler)
+        code, output = start_ranks(command, options.ranks, env, timeout=3600, watch=sampler)
         if code != 0 or "train_inner" not in output:
             raise RuntimeError(f"the fine-tuning run failed ({code}):\n{output[-6000:]}")
-    cases = estimated(options.arch, file_bytes)
-    rows = [{"arch": options.arch, "build": options.label, "phase": phase,
+    cases = estimated(options.arch, file_bytes, options.ranks)
+    rows = [{"arch": options.arch, "build": options.label, "ranks": options.ranks,
+             "phase": phase,
              "file_gib": round(file_bytes / GIB, 2),
              "anonymous_at_start_gib": round(peaks["start"] / GIB, 2),
              "anonymous_gib": round(peaks["RssAnon"] / GIB, 2),
              "file_pages_gib": round(peaks["RssFile"] / GIB, 2),
+             "all_ranks_file_pages_gib": round(peaks["all_ranks_file"] / GIB, 2),
              "peak_rss_gib": round(peaks["VmHWM"] / GIB, 2),
              "estimated_gib": cases[ESTIMATED[phase]]}
             for phase, peaks in sampler.peaks.items()]
     print(json.dumps(rows), flush=True)
     path = RESULTS / "finetune_load.json"
-    kept = [r for r in (json.loads(path.read_text()) if path.exists() else [])
-            if (r["arch"], r.get("build")) != (options.arch, options.label)]
-    path.write_text(json.dumps(kept + rows, indent=2) + "\n")
-    note = (f"GiB, one CPU rank of fairseq-train fine-tuning from a released-layout fp32 "
+    earlier = json.loads(path.read_text()) if path.exists() else []
+    for row in earlier:  # rows measured before --ranks: one rank, no all-ranks column
+        row.setdefault("ranks", 1)
+        row.setdefault("all_ranks_file_pages_gib", None)
+    kept = [r for r in earlier if (r["arch"], r["build"], r["ranks"])
+            != (options.arch, options.label, options.ranks)]
+    note = (f"GiB, CPU ranks of fairseq-train on one host fine-tuning from a released-layout fp32 "
             f"checkpoint (`--finetune-from-model`) with the one-GPU recipe's settings "
             f"(--cpu-offload, --memory-efficient-bf16, --fp16-adam-stats, activation "
-            f"checkpointing, chunked loss, {TOKENS} tokens), one update. Per phase, the "
-            "largest anonymous resident memory (RssAnon, the process's own) and file pages "
-            "(RssFile: the mapped checkpoint, page cache that ranks of a host share and the "
-            "kernel can reclaim), sampled every 50 ms; peak RSS is VmHWM at the phase's "
-            "end. Estimated: fairseq-shard-estimate's host case for the phase (model "
-            "construction, load of released weights, training step) with the same settings "
-            "and --cpu, which leaves out the Python process itself (about 0.6 GiB with "
-            "fairseq imported). Produced by `python -m benchmarks.finetune_load --arch "
-            "ARCH` (the previous build: `--plugin-dir` of a checkout of the commit before "
-            "the change, with `--label`).")
+            f"checkpointing, chunked loss, {TOKENS} tokens per rank), one update. Per "
+            "phase and per rank (the largest rank's), sampled every 50 ms: anonymous "
+            "resident memory (RssAnon, the process's own) and file pages (RssFile: the "
+            "mapped checkpoint, page cache that ranks of a host share and the kernel can "
+            "reclaim); file pages of all ranks counted once (the sum of their Pss_File); "
+            "peak RSS is VmHWM at the phase's end. Estimated: fairseq-shard-estimate's "
+            "host case for the phase (model construction, load of released weights, "
+            "training step) per rank with the same settings and --cpu, which leaves out the "
+            "Python process itself (0.37 GiB RSS with fairseq imported). Produced by "
+            "`python -m benchmarks.finetune_load --arch ARCH --ranks N` (the previous "
+            "build: `--plugin-dir` of a checkout of the commit before the change, with "
+            "`--label`).")
     print(write_results("finetune_load", kept + rows, [
-        ("arch", "arch"), ("build", "build"), ("phase", "phase"),
+        ("arch", "arch"), ("build", "build"), ("ranks", "ranks"), ("phase", "phase"),
         ("checkpoint file", "file_gib"), ("anonymous at start", "anonymous_at_start_gib"),
         ("anonymous", "anonymous_gib"), ("file pages", "file_pages_gib"),
-        ("peak RSS", "peak_rss_gib"), ("estimated", "estimated_gib")], note))
+        ("file pages, all ranks", "all_ranks_file_pages_gib"), ("peak RSS", "peak_rss_gib"),
+        ("estimated", "estimated_gib")], note))
 
 
 if __name__ == "__main__":
