@@ -584,6 +584,13 @@ def test_16_bit_gradient_shards_are_cast_after_an_fp32_reduction() -> None:
         output = (reduce + cast) * unit / 2
         assert end_of_backward(**change) == pytest.approx(
             max(3 * b * unit, b * unit + reduce * unit + max(b * unit, output)))
+        # over gloo (CPU ranks) the collective also holds a copy of its input
+        copy = reduce * unit
+        assert end_of_backward(**change, gloo_collectives=True) == pytest.approx(
+            max(3 * b * unit, b * unit + reduce * unit + max(b * unit, output + copy)))
+    one_rank = replace(base, world_size=1)  # no collective runs
+    assert estimate(NLLB_LIKE, replace(one_rank, gloo_collectives=True)).phases == \
+        estimate(NLLB_LIKE, one_rank).phases
 
 
 def test_host_memory_of_each_case_on_gpu_ranks() -> None:

@@ -103,7 +103,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="fairseq's flag: every unit stays gathered from forward to backward")
     p.add_argument("--cpu", action="store_true",
-                   help="the ranks run on CPUs: host memory is their device memory")
+                   help="the ranks run on CPUs: host memory is their device memory, and "
+                   "their collectives run over gloo (whose reduce-scatter copies its input)")
     p.add_argument("--ranks-per-node", type=int,
                    help="ranks sharing one host's memory (default: the world size)")
     p.add_argument("--checkpoint-format", choices=("full", "sharded"), default="full",
@@ -157,7 +158,7 @@ def setup_from(options: argparse.Namespace) -> TrainingSetup:
         chunked_loss=options.criterion == CHUNKED, loss_chunk_tokens=options.loss_chunk_tokens,
         checkpoint_activations=options.checkpoint_activations, cpu_offload=options.cpu_offload,
         params_in_16_bit=options.memory_efficient_fp16 or options.memory_efficient_bf16,
-        fp16_adam_stats=options.fp16_adam_stats,
+        fp16_adam_stats=options.fp16_adam_stats, gloo_collectives=options.cpu,
     )
 
 

@@ -102,6 +102,9 @@ class TrainingSetup:
     # --memory-efficient-fp16/-bf16: parameter and gradient shards in the compute dtype
     params_in_16_bit: bool = False
     fp16_adam_stats: bool = False  # --fp16-adam-stats: Adam's two moments in fp16
+    # CPU ranks (gloo): a reduce-scatter holds a copy of its whole input besides it
+    # (benchmarks/gloo_reduce_scatter.py); NCCL does not
+    gloo_collectives: bool = False
 
     @property
     def compute_bytes(self) -> int:
@@ -272,9 +275,10 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
         throughout: copied into the reduce buffer (torch's CPU ``_chunk_cat`` first builds a
         concatenated copy in b bytes), then the 1/N output (cast to the gradient shard's
         dtype where the reduction's differs: fp32 shards reduced in 16 bits, 16-bit shards
-        reduced in fp32)."""
+        reduced in fp32) and, over gloo, the collective's copy of the reduce buffer."""
         output = bytes_ * unit / n + (g * unit / n if bytes_ != g else 0)
-        return b * unit + bytes_ * unit + max(b * unit, output)
+        gloo_copy = bytes_ * unit if setup.gloo_collectives and n > 1 else 0.0
+        return b * unit + bytes_ * unit + max(b * unit, output + gloo_copy)
 
     p, tokens, vocab, d = shape.parameters, setup.tokens, shape.vocabulary, shape.decoder_dim
     params, grads = g * p / n, g * p / n
