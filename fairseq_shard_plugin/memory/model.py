@@ -467,7 +467,7 @@ def construction_host(shape: ModelShape, setup: TrainingSetup, host: HostSetup
     """Building the model: fairseq builds each rank's model in fp32 on the host, and the
     plugin shards every transformer layer as soon as it is built
     (``parallelize.shard_layer_as_built``); the layers' shards stay on the host on CPU ranks
-    or with ``--cpu-offload`` (on a GPU they move to it). The peak is the larger of two
+    or with ``--cpu-offload`` (on a GPU they move to it). The peak is the largest of three
     moments, all ranks of a node at once:
 
     - the last layer built: the parameters outside the layers in fp32 (embeddings, norms)
@@ -482,7 +482,7 @@ def construction_host(shape: ModelShape, setup: TrainingSetup, host: HostSetup
               + shape.decoder_layers * shape.decoder_layer_parameters)
     outside_layers = shape.parameters - layers
     largest_layer = max(shape.encoder_layer_parameters, shape.decoder_layer_parameters)
-    on_host = host.cpu or setup.cpu_offload
+    on_host = _state_on_host(setup, host)
     shards = setup.param_bytes * layers / setup.world_size if on_host else 0.0
     last_layer = 4.0 * (outside_layers + largest_layer)
     cast = setup.param_bytes * outside_layers if setup.param_bytes < 4 else 0.0
@@ -539,11 +539,16 @@ def sharded_save_host(shape: ModelShape, setup: TrainingSetup, result: Estimate,
     return HostPeak(per_rank, host.ranks_per_node * per_rank)
 
 
+def _state_on_host(setup: TrainingSetup, host: HostSetup) -> bool:
+    """Whether the shards live on the host: CPU ranks or ``--cpu-offload``."""
+    return host.cpu or setup.cpu_offload
+
+
 def _host_shards(shape: ModelShape, setup: TrainingSetup, host: HostSetup,
                  bytes_per_parameter: float) -> float:
-    """A rank's shards of ``bytes_per_parameter`` x P where they live on the host (CPU ranks
-    or ``--cpu-offload``; on GPUs otherwise none)."""
-    on_host = host.cpu or setup.cpu_offload
+    """A rank's shards of ``bytes_per_parameter`` x P where they live on the host (none on
+    GPUs without offload)."""
+    on_host = _state_on_host(setup, host)
     return bytes_per_parameter * shape.parameters / setup.world_size if on_host else 0.0
 
 
@@ -553,8 +558,7 @@ def _mapped_load(shape: ModelShape, setup: TrainingSetup, host: HostSetup, file:
     counted in each rank's RSS but held once per host (and reclaimable). Each rank's own:
     the ``kept`` shards and, where they live on the host, one fp32 slice of a unit being
     copied (``load_state_dict`` copies the mapped tensors' slices tensor by tensor)."""
-    copying = (4.0 * largest_local_elements(shape, setup)
-               if host.cpu or setup.cpu_offload else 0.0)
+    copying = 4.0 * largest_local_elements(shape, setup) if _state_on_host(setup, host) else 0.0
     private = kept + copying
     return HostPeak(private + file, file + host.ranks_per_node * private)
 
