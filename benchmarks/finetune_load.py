@@ -94,8 +94,9 @@ def resident(pid: int) -> dict[str, int]:
 
 
 class PhaseSampler:
-    """Per phase (decided by rank 0's log lines seen so far): the ranks' anonymous memory
-    when the phase began, their largest anonymous and file-backed resident memory and peak
+    """Per phase (decided by rank 0's log lines seen so far, so other ranks may still be
+    finishing the previous one at its start): the ranks' anonymous memory when the phase
+    began, their largest anonymous and file-backed resident memory and peak
     RSS so far (the largest rank's), and the largest file pages of all ranks together
     counted once (the sum of their proportional shares)."""
 
