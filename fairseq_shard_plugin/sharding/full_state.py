@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def gather_full_state(state: Any, _gathered: dict[int, torch.Tensor] | None = None) -> Any:
@@ -53,9 +54,20 @@ def share_tied_tensors(model_state: dict[str, Any], model: torch.nn.Module) -> d
 
 def shard_like(full: torch.Tensor, param: DTensor) -> DTensor:
     """This rank's slice of the full tensor ``full`` (model or optimizer state), as a DTensor
-    sharded like ``param``; no communication (every rank holds ``full``)."""
-    return distribute_tensor(full.to(param.device), param.device_mesh, param.placements,
-                             src_data_rank=None)
+    sharded like ``param``, in fresh memory; no communication (every rank holds ``full``).
+
+    The slice is cut where ``full`` lives (the host, for a loaded checkpoint) and only the
+    slice moves to the parameter's device: moving ``full`` first would put each whole
+    tensor on the GPU for a moment (2 GiB for NLLB-3.3B's fp32 embedding)."""
+    shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh,
+                                                          param.placements)
+    local = full
+    for dim, (size, start) in enumerate(zip(shape, offset, strict=True)):
+        if size != full.shape[dim]:
+            local = local.narrow(dim, start, size)
+    return DTensor.from_local(local.to(param.device, copy=True), param.device_mesh,
+                              param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
 
 
 def _shard_full_tensors(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
