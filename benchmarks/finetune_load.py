@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.gpu_check import pad_dictionary
+from fairseq_shard_plugin.memory.meters import process_memory
 from launching.harness import (
     BIN,
     PLUGIN_DIR,
@@ -81,15 +82,8 @@ def resident(pid: int) -> dict[str, int]:
     """``RssAnon``, ``RssFile`` and ``VmHWM`` of a process, and its proportional share of
     file pages (``Pss_File``: a page that two processes map counts half in each), in
     bytes; empty for a process that has no memory (yet or any more)."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("RssAnon", "RssFile", "VmHWM"):
-            fields[name] = int(value.split()[0]) * 1024
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name == "Pss_File":
-            fields[name] = int(value.split()[0]) * 1024
+    fields = {**process_memory(("RssAnon", "RssFile", "VmHWM"), pid),
+              **process_memory(("Pss_File",), pid, "smaps_rollup")}
     return fields if len(fields) == 4 else {}
 
 

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.gpu_check import pad_dictionary
+from fairseq_shard_plugin.memory.meters import process_memory
 from launching.harness import (
     BIN,
     PLUGIN_DIR,
@@ -39,13 +40,6 @@ FLAGS = ["--task", "sharded_translation", "--bf16",
 PLAN_LINE = "sharded over 2 ranks with fsdp2"
 
 
-def vm_hwm(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 class PeakAtPlan:
     """Watches the ranks; once rank 0 has logged the plan, records every rank's peak RSS
     and kills the ranks (the measurement is taken, no step is needed)."""
@@ -56,7 +50,8 @@ class PeakAtPlan:
     def __call__(self, ranks: list, outputs: list[str]) -> None:
         if self.peaks or PLAN_LINE not in outputs[0]:
             return
-        self.peaks = [vm_hwm(rank.pid) for rank in ranks]
+        self.peaks = [process_memory(["VmHWM"], rank.pid).get("VmHWM", 0)
+                      for rank in ranks]
         for rank in ranks:
             rank.kill()
 

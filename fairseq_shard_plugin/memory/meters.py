@@ -203,16 +203,28 @@ class StepMemory:
     marks: dict[str, int] = field(default_factory=dict)
 
 
+def process_memory(names: Iterable[str], pid: int | str = "self", table: str = "status"
+                   ) -> dict[str, int]:
+    """The memory fields ``names`` of a process as Linux reports them in
+    ``/proc/PID/TABLE`` (``status``: ``VmHWM``, ``RssAnon``, ...; ``smaps_rollup``:
+    ``Pss_File``, ...), in bytes; a field the table lacks is left out. Raises ``OSError``
+    where the table cannot be read (no such process, not Linux)."""
+    wanted = set(names)
+    fields = {}
+    with open(f"/proc/{pid}/{table}") as lines:
+        for line in lines:
+            name, _, value = line.partition(":")
+            if name in wanted and value.split():
+                fields[name] = int(value.split()[0]) * 1024  # the kernel counts kB
+    return fields
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process (Linux ``VmHWM``), 0 where unavailable."""
     try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+        return process_memory(["VmHWM"]).get("VmHWM", 0)
     except OSError:
-        pass
-    return 0
+        return 0
 
 
 class StepMemoryProbe:
