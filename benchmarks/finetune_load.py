@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 
 from benchmarks.gpu_check import pad_dictionary
 from fairseq_shard_plugin.memory.meters import process_memory
 from launching.harness import (
-    BIN,
     PLUGIN_DIR,
     RESULTS,
+    rank_environment,
     start_ranks,
     tool,
     training_args,
@@ -147,10 +146,9 @@ def main(argv: list[str] | None = None) -> None:
                    *training_args(data, Path(directory) / "save", 1, max_tokens=TOKENS),
                    "--arch", options.arch, *RECIPE, "--finetune-from-model", str(released),
                    "--user-dir", str(options.plugin_dir)]
-        env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-                   PYTHONUNBUFFERED="1")
         sampler = PhaseSampler()
-        code, output = start_ranks(command, options.ranks, env, timeout=3600, watch=sampler)
+        code, output = start_ranks(command, options.ranks, rank_environment(threads=None),
+                                   timeout=3600, watch=sampler)
         if code != 0 or "train_inner" not in output:
             raise RuntimeError(f"the fine-tuning run failed ({code}):\n{output[-6000:]}")
     cases = estimated(options.arch, file_bytes, options.ranks)

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import tempfile
 from pathlib import Path
 
-from launching.harness import BIN, RESULTS, free_port, tool, write_results
+from launching.harness import RESULTS, free_port, rank_environment, tool, write_results
 
 RANK_SCRIPT = """
 import json, sys, torch, torch.distributed as dist
@@ -51,8 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         completed = subprocess.run(
             [tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
              str(script), str(options.gib)], capture_output=True, text=True, timeout=300,
-            env=dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-                     OMP_NUM_THREADS="1"))
+            env=rank_environment())
     if completed.returncode != 0:
         raise RuntimeError(completed.stderr[-3000:])
     report = json.loads(completed.stdout.strip().splitlines()[-1])

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 
 from benchmarks.gpu_check import pad_dictionary
 from fairseq_shard_plugin.memory.meters import process_memory
 from launching.harness import (
-    BIN,
     PLUGIN_DIR,
     RESULTS,
+    rank_environment,
     start_ranks,
     tool,
     training_args,
@@ -62,9 +61,7 @@ def measure(data: Path, work: Path, plugin_dir: Path, arch: str) -> dict:
     command = [tool("fairseq-train"), *training_args(data, work, 10, max_tokens=1024),
                "--arch", arch, *FLAGS, "--user-dir", str(plugin_dir),
                "--ddp-backend", "fully_sharded"]
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    start_ranks(command, 2, env, watch=watch)
+    start_ranks(command, 2, rank_environment(), watch=watch)
     if not watch.peaks:
         raise RuntimeError("the ranks ended before logging their sharding plan")
     return {"peak_rss_per_rank_gib": round(max(watch.peaks) / GIB, 2),

@@ -42,6 +42,17 @@ LOG_LINE = re.compile(
 )
 
 
+def rank_environment(threads: int | None = 1) -> dict[str, str]:
+    """This process's environment for a launched rank or tool: this Python's console
+    scripts first on PATH, unbuffered output, and ``threads`` OpenMP threads (one, as
+    torchrun gives each rank; None leaves the variable as it is)."""
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+               PYTHONUNBUFFERED="1")
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -123,8 +134,7 @@ def run_training(
     With ``measure_dir`` every rank runs under ``fairseq-shard-measure-train`` and its
     whole-process peak of live tensor bytes is returned in ``RunResult.memory``.
     """
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = rank_environment()
     measure = (
         ["--measure-out", str(measure_dir / "rank{rank}.json")] if measure_dir else []
     )
@@ -213,11 +223,9 @@ def run_like_srun(command: list[str], ranks: int, cwd: Path = REPO) -> list[str]
     """Start ``command`` once per rank the way ``srun --ntasks-per-node N`` does: only
     Slurm's variables (no torchrun's), one node here; every rank's output, after checking
     that each succeeded. The command picks its own rendezvous port."""
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
-    env.update(PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONUNBUFFERED="1",
-               OMP_NUM_THREADS="1", SLURM_NTASKS=str(ranks), SLURM_NODEID="0",
-               SLURM_JOB_NODELIST="127.0.0.1", SLURM_TASKS_PER_NODE=str(ranks),
-               SLURM_JOB_ID="1")
+    env = {k: v for k, v in rank_environment().items() if k not in TORCHRUN_VARIABLES}
+    env.update(SLURM_NTASKS=str(ranks), SLURM_NODEID="0", SLURM_JOB_NODELIST="127.0.0.1",
+               SLURM_TASKS_PER_NODE=str(ranks), SLURM_JOB_ID="1")
     outputs = [tempfile.TemporaryFile() for _ in range(ranks)]
     tasks = [
         forkserver.start(command, dict(env, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 from pathlib import Path
 
@@ -32,13 +31,13 @@ from fairseq_shard_plugin.training.launch_env import (
     slurm_as_torchrun,
 )
 from launching.harness import (
-    BIN,
     PLUGIN_DIR,
     REPO,
     RunResult,
     free_port,
     in_threads,
     parse_logs,
+    rank_environment,
     result_of,
     run_like_srun,
     run_training,
@@ -62,8 +61,7 @@ def sharded_args(corpus: Path, save_dir: Path, updates: int = UPDATES) -> list[s
 
 def run_two_nodes(args: list[str], checksum_dir: Path) -> RunResult:
     """Two torchrun invocations (node ranks 0 and 1, 2 ranks each) on loopback."""
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env = rank_environment()
     port = free_port()
     nodes = [
         subprocess.Popen(
