@@ -113,17 +113,18 @@ class PhaseSampler:
             peaks[name] = max(peaks[name], value)
 
 
-def estimated(arch: str, file_bytes: int, ranks: int) -> dict[str, float]:
-    """The estimator's host cases for this run on CPU ranks, GiB per rank."""
+def estimated(train_argv: list[str], file_bytes: int, ranks: int) -> dict[str, float]:
+    """The estimator's host cases, GiB per rank, for the training command ``train_argv``
+    (``fairseq-train``'s arguments, the data directory still there) as the trainer describes
+    itself to the estimator, on ``ranks`` ranks."""
+    from fairseq_shard_plugin.cli.estimate_command import flags_from_training_command
     from fairseq_shard_plugin.memory.estimate import run
 
-    report = run(["--arch", arch, "--vocab", str(NLLB_VOCABULARY), "--world-size", str(ranks),
-                  "--max-tokens", str(TOKENS), "--memory-efficient-bf16",
-                  "--fp16-adam-stats", "--criterion", "chunked_label_smoothed_cross_entropy",
-                  "--loss-chunk-tokens", "512", "--checkpoint-activations", "--cpu-offload",
-                  "--cpu", "--checkpoint-file-gib", str(file_bytes / GIB)])
+    flags, shape = flags_from_training_command(
+        ["--world-size", str(ranks), "--checkpoint-file-gib", str(file_bytes / GIB)],
+        train_argv)
     return {name: round(case["per_rank_gib"], 2)
-            for name, case in report["host"]["cases"].items()}
+            for name, case in run(flags, shape)["host"]["cases"].items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
                                    timeout=3600, watch=sampler)
         if code != 0 or "train_inner" not in output:
             raise RuntimeError(f"the fine-tuning run failed ({code}):\n{output[-6000:]}")
-    cases = estimated(options.arch, file_bytes, options.ranks)
+        cases = estimated(command[1:], file_bytes, options.ranks)
     rows = [{"arch": options.arch, "build": options.label, "ranks": options.ranks,
              "phase": phase,
              "file_gib": round(file_bytes / GIB, 2),
