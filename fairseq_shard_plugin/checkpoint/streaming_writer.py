@@ -21,6 +21,7 @@ import contextlib
 import io
 import pickle
 import sys
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -29,15 +30,16 @@ import torch
 from torch.utils.serialization import config as serialization_config
 
 
-class LazyTensor:
+class LazyTensor(ABC):
     """A tensor written to a checkpoint only when its record is due: subclasses give the
     ``shape`` and ``dtype`` it will have and :meth:`materialize` it (contiguous, on CPU)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
 
+    @abstractmethod
     def materialize(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The tensor's values, contiguous, on CPU."""
 
 
 class ResidentTensor(LazyTensor):
