@@ -309,6 +309,11 @@ def test_consolidate_command_writes_16_bit_weights_that_from_pretrained_loads(
 
     from fairseq.models.transformer import TransformerModel
 
+    from fairseq_shard_plugin.tasks import register
+
+    # the checkpoint names the plugin's task: registered, as activate() (or --user-dir)
+    # does, here without installing the training hooks into this test process
+    register()
     hub = TransformerModel.from_pretrained(str(tmp_path), checkpoint_file=out.name,
                                            data_name_or_path=str(corpus))
     embedding = hub.models[0].encoder.embed_tokens.weight
