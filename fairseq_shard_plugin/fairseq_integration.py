@@ -19,6 +19,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    settings hook 4 records), so no rank ever holds the whole fp32 model.
 2. ``Trainer``: ``train.py`` constructs ``fairseq.trainer.Trainer`` by name; under
    ``fully_sharded`` it becomes :class:`~fairseq_shard_plugin.training.trainer.ShardedTrainer`.
+   Under any other backend it stays fairseq's, subclassed only so that ``load_checkpoint``
+   ends by copying what it keeps out of the mapped checkpoint file (hook 6 maps it; see
+   ``training.private_state``): torch's optimizer keeps the loaded moments themselves.
    That subclass overrides two of the Trainer's private methods, for want of public ones:
    ``_build_optimizer`` (the optimizer steps on fp32 master shards) and
    ``_reduce_and_log_stats`` (an fp16 update skipped for overflow logs nothing, as in
@@ -43,7 +46,8 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    other names (``checkpoint_last.pt``, ``checkpoint_best.pt``) with
    ``PathManager.copy``, which truncates and rewrites the destination in place: a crash
    during that copy leaves a half-written ``checkpoint_last.pt`` that resume then picks.
-   There is no option or hook for the copy, so for sharded runs the wrapper runs fairseq's
+   A copy in place also changes the pages of a file a running training has mapped (hook
+   6). There is no option or hook for the copy, so for every run the wrapper runs fairseq's
    function with its module's ``PathManager`` replaced by one whose local copies go
    through a temporary file and ``os.replace`` (``atomic_files``); everything else,
    including which names are written and which old ones are removed, stays fairseq's.
@@ -62,8 +66,10 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    copies the whole checkpoint into each process's own memory: N ranks of a host held N
    copies of released weights. While the wrapper runs fairseq's function, the ``torch``
    that function sees maps a zip-format checkpoint instead (``mmap=True``,
-   ``weights_only=True``): its pages are page cache, shared by the host's ranks
-   (:class:`_TorchMappingCheckpoints`).
+   ``weights_only=True``; a legacy-format file is read): its pages are page cache, shared
+   by the host's ranks (:class:`_TorchMappingCheckpoints`). The model's tensors are copied
+   into the model by every fairseq loader; what a trainer keeps is copied out of the file
+   after its load (hook 2), so no rewrite of the file can reach a running training.
 7. ``checkpoint_utils.torch_load_cpu`` (fairseq's nllb branch only): it casts every
    checkpoint's model to fp16 when the checkpoint's config says ``--fp16`` or
    ``--memory-efficient-fp16``. The plugin's checkpoints hold fp32 master weights under
@@ -106,7 +112,6 @@ import os
 import signal
 import sys
 import types
-import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -121,11 +126,13 @@ from fairseq.file_io import PathManager
 
 from fairseq_shard_plugin.checkpoint.atomic_files import WriteError, copy_atomically
 from fairseq_shard_plugin.checkpoint.errors import save_failure
+from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.memory.metrics import MaxMeter
 from fairseq_shard_plugin.sharding.options import options_given, sharding_options
 from fairseq_shard_plugin.sharding.precision import untie_bf16_from_tpu
 from fairseq_shard_plugin.training.launch_env import apply_torchrun_environment
+from fairseq_shard_plugin.training.private_state import with_private_loaded_state
 from fairseq_shard_plugin.training.run_hooks import (
     active_trainer_loader,
     mark_export_follows_training,
@@ -209,7 +216,7 @@ def _select_trainer(stock_trainer: type) -> Callable[..., Any]:
             from fairseq_shard_plugin.training.trainer import ShardedTrainer
 
             return ShardedTrainer(cfg, task, model, criterion, quantizer)
-        return stock_trainer(cfg, task, model, criterion, quantizer)
+        return with_private_loaded_state(stock_trainer)(cfg, task, model, criterion, quantizer)
 
     return make_trainer
 
@@ -299,7 +306,11 @@ def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
                         *args: Any, **kwargs: Any) -> Any:
         # (the nllb branch adds ``training_finished`` and ``async_callback_fn``)
         if not getattr(trainer, "writes_checkpoints_atomically", False):
-            return stock_save(cfg, trainer, epoch_itr, val_loss, *args, **kwargs)
+            try:  # fairseq's own trainer (another --ddp-backend): its copies made atomic too
+                with _atomic_checkpoint_copies():
+                    return stock_save(cfg, trainer, epoch_itr, val_loss, *args, **kwargs)
+            except WriteError as error:
+                raise save_failure(error, cfg.save_dir) from error
         gathers_before = trainer.state_dict_calls
         saving_rank = trainer.should_save_checkpoint_on_current_rank
         try:  # a refused write (full disk) ends the run in one line that says what to do
@@ -336,19 +347,10 @@ def _full_tensors_of_index(path: str, index: dict[str, Any]) -> dict[str, Any]:
     return fill_tensors(skeleton, full_tensors(path, index))
 
 
-def load_mapped(path: str, map_location: Any = "cpu") -> Any:
-    """``torch.load`` of a checkpoint file, mapped where its format allows (zip, as
-    ``torch.save`` writes since torch 1.6), read otherwise; never unpickling code."""
-    import torch
-
-    return torch.load(path, map_location=map_location, weights_only=True,
-                      mmap=zipfile.is_zipfile(path))
-
-
 class _TorchMappingCheckpoints(types.ModuleType):
     """``torch`` as fairseq 0.12's ``load_checkpoint_to_cpu`` sees it under hook 6: its
     ``torch.load(f, map_location=...)`` of an open local file maps that file
-    (:func:`load_mapped`); every other name is torch's."""
+    (:func:`~.checkpoint.reading.read_checkpoint`); every other name is torch's."""
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -365,7 +367,7 @@ class _TorchMappingCheckpoints(types.ModuleType):
         path = getattr(f, "name", None)
         if isinstance(path, str) and os.path.isfile(path) and not args \
                 and set(kwargs) <= {"map_location"}:
-            return load_mapped(path, kwargs.get("map_location", "cpu"))
+            return read_checkpoint(path, kwargs.get("map_location", "cpu"))
         return torch.load(f, *args, **kwargs)
 
 
@@ -406,7 +408,7 @@ def _keeping_fp32_masters(stock_load_cpu: Callable[..., Any]) -> Callable[..., A
     def torch_load_cpu(path: str) -> Any:
         from fairseq_shard_plugin.checkpoint.sharded import is_sharded_index
 
-        state = load_mapped(path)
+        state = read_checkpoint(path)
         if active_trainer_loader() or not isinstance(state, dict) or is_sharded_index(state):
             return state  # fp32 masters for the trainer; shard references stay references
         common = (state.get("cfg") or {}).get("common") or {}

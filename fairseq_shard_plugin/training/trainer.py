@@ -61,6 +61,7 @@ from fairseq_shard_plugin.training.launch_env import (
     uses_cuda,
 )
 from fairseq_shard_plugin.training.out_of_memory import stop_on_out_of_memory
+from fairseq_shard_plugin.training.private_state import release_checkpoint_pages
 from fairseq_shard_plugin.training.run_hooks import export_follows_training, loading_into_trainer
 from fairseq_shard_plugin.training.validation import (
     ShardingConfigError,
@@ -330,6 +331,7 @@ class ShardedTrainer(Trainer):
                 describe_checkpoint_problem(filename, state_dict_shapes(self._model), error)
             ) from error
         self.engine.shard_loaded_state(self.optimizer.optimizer)
+        release_checkpoint_pages(self)
         converted = convert_position(extra_state, self.data_parallel_world_size)
         if converted:
             logger.info(converted)

@@ -1,0 +1,124 @@
+"""Read a checkpoint file of either torch format, mapped where it can be, and make sure
+nothing kept after a load still reads the file's pages.
+
+``torch.save`` has written zip archives since torch 1.6; older files (and
+``_use_new_zipfile_serialization=False``) are one pickle stream, the *legacy* format.
+:func:`read_checkpoint` maps a zip file (``mmap=True``: its pages are page cache, shared
+by every rank of a host) and reads a legacy one, always with ``weights_only=True``.
+
+A mapped tensor stays backed by the file: copying another file over it in place (as
+``cp`` and ``shutil.copyfile`` do, and fairseq's ``PathManager.copy`` did for
+``checkpoint_last.pt``) changes, or truncates under it, whatever has not been written to
+since. Model weights are copied into the model by every fairseq loader, so mapping them is
+safe and saves a private copy per rank; what a trainer *keeps* (optimizer state, meters)
+must not stay mapped. :func:`private_copies_of_mapped` replaces each tensor that lies in a
+file this process mapped by a copy of its own; the trainers call it after every load.
+"""
+
+from __future__ import annotations
+
+import threading
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Address ranges [start, end) of the files this process has mapped through read_checkpoint.
+# Ranges are never forgotten: an address reused after a mapping is gone costs one needless
+# copy, never a missed one.
+_MAPPED_RANGES: list[tuple[int, int]] = []
+_LOCK = threading.Lock()
+
+# The two magic numbers torch.save writes first: a zip archive's, and the legacy format's
+# pickle protocol-2 header.
+_ZIP_MAGIC = b"PK\x03\x04"
+_LEGACY_MAGIC = b"\x80\x02"
+
+
+class NotACheckpointError(ValueError):
+    """A file in neither of torch's formats (its first bytes are wrong)."""
+
+
+def checkpoint_format(path: str | Path) -> str:
+    """``"zip"``, ``"legacy"``, or :class:`NotACheckpointError` naming what the file is."""
+    with open(path, "rb") as stream:
+        head = stream.read(4)
+    if head == _ZIP_MAGIC and zipfile.is_zipfile(path):
+        return "zip"
+    if head[:2] == _LEGACY_MAGIC:
+        return "legacy"
+    shown = "empty" if not head else f"starts with bytes {head.hex()}"
+    raise NotACheckpointError(
+        f"not a PyTorch checkpoint: the file is {shown}, neither a zip archive (torch.save "
+        "since torch 1.6) nor the legacy pickle format")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+
+    def walk(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, dict):
+            for entry in item.values():
+                walk(entry)
+        elif isinstance(item, (list, tuple)):
+            for entry in item:
+                walk(entry)
+
+    walk(value)
+    return found
+
+
+def _remember_mapping(state: Any) -> None:
+    spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+             for t in _tensors(state) if t.device.type == "cpu"]
+    spans = [(start, start + size) for start, size in spans if size]
+    if spans:
+        with _LOCK:
+            _MAPPED_RANGES.append((min(s for s, _ in spans), max(e for _, e in spans)))
+
+
+def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> Any:
+    """``torch.load(path, weights_only=True)``: mapped for a zip file, read for a legacy one.
+
+    Raises :class:`NotACheckpointError` for a file of neither format, and torch's own error
+    (a refused type, a damaged archive) otherwise."""
+    mapped = checkpoint_format(path) == "zip"
+    state = torch.load(path, map_location=map_location, weights_only=True, mmap=mapped)
+    if mapped:
+        _remember_mapping(state)
+    return state
+
+
+def is_mapped(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory lies in a file :func:`read_checkpoint` mapped."""
+    if tensor.device.type != "cpu" or tensor.untyped_storage().nbytes() == 0:
+        return False
+    address = tensor.untyped_storage().data_ptr()
+    with _LOCK:
+        return any(start <= address < end for start, end in _MAPPED_RANGES)
+
+
+def private_copies_of_mapped(container: Any) -> int:
+    """Replace, in place, every mapped tensor held in ``container`` (nested dicts and
+    lists, e.g. an optimizer's ``state``) by a copy of its own; returns how many."""
+    replaced = 0
+
+    def fix(value: Any, store: Callable[[Any], None]) -> None:
+        nonlocal replaced
+        if isinstance(value, torch.Tensor):
+            if is_mapped(value):
+                store(value.clone())
+                replaced += 1
+        elif isinstance(value, dict):
+            for key, entry in list(value.items()):
+                fix(entry, lambda new, key=key: value.__setitem__(key, new))
+        elif isinstance(value, list):
+            for index, entry in enumerate(value):
+                fix(entry, lambda new, index=index: value.__setitem__(index, new))
+
+    fix(container, lambda new: None)
+    return replaced

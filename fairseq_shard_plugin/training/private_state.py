@@ -1,0 +1,51 @@
+"""After a trainer loads a checkpoint, nothing it keeps may still read the file's pages.
+
+fairseq's loader maps zip-format checkpoints (``checkpoint.reading``). The model's weights
+are copied into the model, but torch's ``Optimizer.load_state_dict`` keeps the loaded
+moments themselves when their dtype and device already fit, and fairseq's meters keep
+what they are given. A file rewritten in place later (fairseq 0.12 copied
+``checkpoint_last.pt`` so; a user's ``cp`` still does) would then change the optimizer
+state under the training: NaN, or worse, wrong numbers without one.
+:func:`release_checkpoint_pages` gives each such tensor memory of its own. Both the
+plugin's trainer and, through integration hook 2, fairseq's own trainer under any other
+``--ddp-backend`` call it at the end of ``load_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from fairseq.logging import metrics
+
+from fairseq_shard_plugin.checkpoint.reading import private_copies_of_mapped
+
+logger = logging.getLogger(__name__)
+
+
+def release_checkpoint_pages(trainer: Any) -> int:
+    """Copy every mapped tensor the trainer keeps (optimizer state, meters); how many."""
+    copied = 0
+    optimizer = getattr(trainer, "_optimizer", None)  # fairseq builds it lazily
+    if optimizer is not None:
+        copied += private_copies_of_mapped(optimizer.optimizer.state)
+    for name in metrics.state_dict():
+        for meter in metrics.get_meters(name).values():
+            copied += private_copies_of_mapped(vars(meter))
+    if copied:
+        logger.debug(f"{copied} loaded tensors copied out of the checkpoint file's pages")
+    return copied
+
+
+@functools.cache
+def with_private_loaded_state(stock_trainer: type) -> type:
+    """``stock_trainer`` whose ``load_checkpoint`` ends with :func:`release_checkpoint_pages`."""
+
+    class PrivateStateTrainer(stock_trainer):  # type: ignore[misc, valid-type]
+        def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+            extra_state = super().load_checkpoint(*args, **kwargs)
+            release_checkpoint_pages(self)
+            return extra_state
+
+    return PrivateStateTrainer

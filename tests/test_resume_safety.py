@@ -1,0 +1,104 @@
+"""A resume is exact whatever happens to the checkpoint file afterwards, under every backend.
+
+fairseq's own scenario (its ``tests/test_reproducibility.py``): train 3 epochs; separately,
+take ``checkpoint1.pt`` as ``checkpoint_last.pt`` and run the same command again. The
+resumed run must end exactly where the uninterrupted one did. Under a stock backend with
+the plugin active it used to end in NaN: the loaded optimizer state stayed mapped from
+``checkpoint_last.pt``, which fairseq then rewrote in place at the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launching.harness import (
+    PLUGIN_DIR,
+    REPO,
+    in_threads,
+    parse_logs,
+    rank_environment,
+    result_of,
+    run_command,
+    start_ranks,
+    tool,
+    training_args,
+)
+
+from tiny_training import TINY
+
+pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
+
+BACKENDS = ("legacy_ddp", "fully_sharded")
+REWRITE_HELPER = REPO / "tests" / "helpers" / "rewrite_after_load.py"
+# the epoch summary's figures that must agree exactly (not its timings)
+COMPARED = ("train_loss", "train_nll_loss", "train_ppl", "train_gnorm", "train_num_updates",
+            "train_lr")
+
+
+def _args(corpus: Path, save_dir: Path, backend: str) -> list[str]:
+    return [*training_args(corpus, save_dir, max_update=0, max_tokens=2048), *TINY,
+            "--max-epoch", "3", "--user-dir", str(PLUGIN_DIR),
+            "--task", "sharded_translation", "--ddp-backend", backend]
+
+
+def _train(corpus: Path, save_dir: Path, backend: str) -> dict:
+    """One fairseq-train process (as a user starts it); its last epoch summary."""
+    done = run_command([tool("fairseq-train"), *_args(corpus, save_dir, backend)],
+                       env=rank_environment(), timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return parse_logs(done.stdout + done.stderr)["train"][-1]
+
+
+@pytest.fixture(scope="module")
+def runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """Per backend: the uninterrupted run, then the run resumed from its checkpoint1.pt."""
+    work = tmp_path_factory.mktemp("resume_safety")
+    full = in_threads({b: (lambda b=b: _train(corpus, work / b / "full", b)) for b in BACKENDS})
+    resumed = {}
+    for backend in BACKENDS:
+        result_of(full, backend)
+        again = work / backend / "resumed"
+        again.mkdir()
+        shutil.copyfile(work / backend / "full" / "checkpoint1.pt", again / "checkpoint_last.pt")
+        resumed[backend] = lambda b=backend, d=again: _train(corpus, d, b)
+    resumed = in_threads(resumed)
+    return {"work": work, "full": full, "resumed": resumed}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_run_resumed_from_checkpoint1_ends_exactly_as_the_uninterrupted_one(
+    runs: dict, backend: str,
+) -> None:
+    full, resumed = result_of(runs["full"], backend), result_of(runs["resumed"], backend)
+    assert {k: full[k] for k in COMPARED} == {k: resumed[k] for k in COMPARED}
+    work = runs["work"] / backend
+    final = [torch.load(work / run / "checkpoint_last.pt", weights_only=True)["model"]
+             for run in ("full", "resumed")]
+    assert final[0].keys() == final[1].keys()
+    assert all(torch.equal(final[0][name], final[1][name]) for name in final[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_checkpoint_rewritten_in_place_after_the_load_leaves_the_trainer_state_alone(
+    runs: dict, corpus: Path, tmp_path: Path, backend: str,
+) -> None:
+    """Another file copied over the loaded one (as ``cp`` does) must not reach the
+    optimizer state the trainer keeps: the silent variant, wrong numbers without a NaN."""
+    source = runs["work"] / backend / "full"
+    loaded = tmp_path / "checkpoint_last.pt"
+    shutil.copyfile(source / "checkpoint1.pt", loaded)
+    report = tmp_path / "report.json"
+    command = [sys.executable, str(REWRITE_HELPER), str(loaded),
+               str(source / "checkpoint3.pt"), str(report),
+               *_args(corpus, tmp_path / "unused", backend)]
+    code, output = start_ranks(command, 1, rank_environment(), timeout=300)
+    assert code == 0, output[-4000:]
+    found = json.loads(report.read_text())
+    assert found["tensors"] > 0, found
+    assert found["changed"] == 0, found
