@@ -29,8 +29,12 @@ from fairseq_shard_plugin.checkpoint.atomic_files import (
     remove_partial_files,
     write_atomically,
 )
+from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.sharded import (
+    MARKER,
     SHARDS_DIR,
+    is_plugin_shard_directory,
+    mark_as_shard_directory,
     remove_unreferenced_shards,
     shard_directory,
 )
@@ -113,12 +117,30 @@ def crashes(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Sharded checkpoints; killed right after the update-20 save; resumed, and killed
     inside the update-30 save (half-way through the copy to checkpoint_last.pt)."""
     save_dir = tmp_path_factory.mktemp("crashed")
+    # the shards go to a "scratch disk" through a symlink, beside a user's own directories
+    scratch = tmp_path_factory.mktemp("scratch")
+    for name in ("photos", "u5-abc"):
+        (scratch / name).mkdir()
+        (scratch / name / "kept.txt").write_text(name)
+    (save_dir / SHARDS_DIR).symlink_to(scratch)
     after_save = crash_training("after-save", 20, args(corpus, save_dir, *SHARDED))
     first = {p.name: p.read_bytes() for p in save_dir.glob("*.pt")}
-    first_shards = sorted(p.name for p in (save_dir / "checkpoint_shards").iterdir())
+    first_shards = sorted(p.name for p in (save_dir / SHARDS_DIR).iterdir()
+                          if is_plugin_shard_directory(p))
     during_copy = crash_training("during-copy", 30, args(corpus, save_dir, *SHARDED))
     return {"after_save": after_save, "during_copy": during_copy, "save_dir": save_dir,
-            "files_after_first_crash": first, "shards_after_first_crash": first_shards}
+            "files_after_first_crash": first, "shards_after_first_crash": first_shards,
+            "scratch": scratch}
+
+
+def test_shards_on_a_symlinked_scratch_disk_train_resume_and_leave_its_other_files(
+    crashes: dict,
+) -> None:
+    scratch = crashes["scratch"]
+    assert "Loaded checkpoint" in crashes["during_copy"].output
+    for name in ("photos", "u5-abc"):
+        assert (scratch / name / "kept.txt").read_text() == name
+    assert {p.name.split("-")[0] for p in scratch.iterdir()} >= {"u10", "u20", "u30"}
 
 
 def test_sigkill_after_a_save_keeps_that_checkpoint(crashes: dict) -> None:
@@ -411,8 +433,8 @@ def test_sharded_save_writes_each_ranks_shards_and_small_indexes(
     assert [name.split("-")[0] for name in crashes["shards_after_first_crash"]] == ["u10", "u20"]
     index = torch.load(save_dir / "checkpoint_1_20.pt", weights_only=True)
     shards = save_dir / index["sharded_checkpoint"]["dir"]
-    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp",
-                                                       "__1_0.distcp"]
+    assert sorted(p.name for p in shards.iterdir()) == [".fairseq-shard-plugin", ".metadata",
+                                                       "__0_0.distcp", "__1_0.distcp"]
     assert index["extra_state"]["train_iterator"]["iterations_in_epoch"] == 20
     # the tied embeddings and output projection are written once; the other names refer to it
     assert {str(index["model"][name]) for name in TIED} == {
@@ -444,17 +466,71 @@ def test_fairseq_generate_reads_a_sharded_checkpoint_directly(
     assert hypotheses(generated["sharded"]) == hypotheses(generated["full"])
 
 
+def _plugin_shards(shards: Path, *names: str) -> None:
+    for name in names:
+        mark_as_shard_directory(shards / name)
+        (shards / name / ".metadata").write_bytes(b"x")
+
+
+def _indexes(save_dir: Path, **targets: str) -> None:
+    for name, target in targets.items():
+        torch.save({"sharded_checkpoint": {"dir": f"{SHARDS_DIR}/{target}"}},
+                   save_dir / f"{name}.pt")
+
+
 def test_shards_that_no_checkpoint_names_are_removed(tmp_path: Path) -> None:
     shards = tmp_path / SHARDS_DIR
-    for name in ("u10-a", "u20-b", "u30-c"):
-        (shards / name).mkdir(parents=True)
-        (shards / name / ".metadata").write_bytes(b"x")
-    for name, target in (("checkpoint_1_20.pt", "u20-b"), ("checkpoint_last.pt", "u30-c")):
-        torch.save({"sharded_checkpoint": {"dir": f"{SHARDS_DIR}/{target}"}}, tmp_path / name)
+    _plugin_shards(shards, "u10-a", "u20-b", "u30-c")
+    _indexes(tmp_path, checkpoint_1_20="u20-b", checkpoint_last="u30-c")
     torch.save({"model": {}}, tmp_path / "checkpoint_best.pt")  # a full checkpoint
     removed = remove_unreferenced_shards(tmp_path, lambda p: torch.load(p, weights_only=True))
     assert removed == [shards / "u10-a"]
     assert sorted(p.name for p in shards.iterdir()) == ["u20-b", "u30-c"]
+
+
+def test_cleanup_through_a_symlinked_shards_dir_deletes_only_the_plugins_directories(
+    tmp_path: Path,
+) -> None:
+    """checkpoint_shards/ as a symlink to a scratch disk that holds other things: only the
+    plugin's own unreferenced directories go; nothing else there, and nothing a symlink
+    inside it points to, is touched."""
+    scratch, elsewhere = tmp_path / "scratch", tmp_path / "elsewhere"
+    (scratch / "photos").mkdir(parents=True)
+    (scratch / "photos" / "holiday.jpg").write_bytes(b"jpeg")
+    (scratch / "u5-abc").mkdir()  # named like ours, not marked as ours
+    (scratch / "u5-abc" / "notes.txt").write_text("mine")
+    mark_as_shard_directory(scratch / "u7-aaa")  # marked for another name, then renamed
+    (scratch / "u7-aaa").rename(scratch / "u6-def")
+    assert (scratch / "u6-def" / MARKER).is_file()
+    _plugin_shards(elsewhere, "u8-bbb")  # marked, but reached only through a symlink
+    (scratch / "u8-bbb").symlink_to(elsewhere / "u8-bbb")
+    save_dir = tmp_path / "save"
+    save_dir.mkdir()
+    (save_dir / SHARDS_DIR).symlink_to(scratch)
+    _plugin_shards(save_dir / SHARDS_DIR, "u10-a", "u20-b")
+    _indexes(save_dir, checkpoint_last="u20-b")
+    removed = remove_unreferenced_shards(save_dir, lambda p: torch.load(p, weights_only=True))
+    assert removed == [save_dir / SHARDS_DIR / "u10-a"]
+    assert sorted(p.name for p in scratch.iterdir()) == ["photos", "u20-b", "u5-abc", "u6-def",
+                                                         "u8-bbb"]
+    assert (scratch / "photos" / "holiday.jpg").read_bytes() == b"jpeg"
+    assert (scratch / "u5-abc" / "notes.txt").read_text() == "mine"
+    assert (elsewhere / "u8-bbb" / ".metadata").exists()
+
+
+def test_an_unreadable_checkpoint_keeps_every_shard_directory_and_says_which(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    shards = tmp_path / SHARDS_DIR
+    _plugin_shards(shards, "u10-a", "u20-b")
+    _indexes(tmp_path, checkpoint_last="u20-b")
+    (tmp_path / "checkpoint_1_10.pt").write_bytes(b"truncated")
+    with caplog.at_level("WARNING"):
+        removed = remove_unreferenced_shards(tmp_path, read_checkpoint)
+    assert removed == []
+    assert sorted(p.name for p in shards.iterdir()) == ["u10-a", "u20-b"]
+    assert f"{tmp_path / 'checkpoint_1_10.pt'} could not be read" in caplog.text
+    assert "not a PyTorch checkpoint" in caplog.text
 
 
 @pytest.fixture(scope="module")

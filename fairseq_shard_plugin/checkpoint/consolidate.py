@@ -29,6 +29,11 @@ from fairseq_shard_plugin.checkpoint.atomic_files import (
 )
 from fairseq_shard_plugin.checkpoint.errors import describe_unreadable
 from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
+from fairseq_shard_plugin.checkpoint.reading import (
+    NotACheckpointError,
+    checkpoint_format,
+    read_checkpoint,
+)
 from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
 from fairseq_shard_plugin.checkpoint.shard_metadata import SafeFileSystemReader
 from fairseq_shard_plugin.checkpoint.sharded import (
@@ -48,7 +53,11 @@ from fairseq_shard_plugin.checkpoint.stored_tensors import (
     dcp_tensors,
     stored_block,
 )
-from fairseq_shard_plugin.checkpoint.streaming_writer import LazyTensor, write_checkpoint
+from fairseq_shard_plugin.checkpoint.streaming_writer import (
+    LazyTensor,
+    ResidentTensor,
+    write_checkpoint,
+)
 from fairseq_shard_plugin.errors import ShardPluginError
 
 # what an inference checkpoint leaves out of a training checkpoint
@@ -70,11 +79,11 @@ def resolve_checkpoint(source: str | Path) -> Path:
 
 
 def _load(path: Path, map_location: str) -> Any:
-    """``torch.load`` with ``weights_only=True`` (mmap: tensors are mapped, not read); a damaged
-    file in one line."""
+    """``read_checkpoint`` (``weights_only=True``; a zip file's tensors are mapped, not
+    read); a damaged file in one line."""
     allow_fairseq_checkpoint_types()
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+        state = read_checkpoint(path, map_location)
     except Exception as error:
         raise ConsolidateError(describe_unreadable(path, error)) from error
     damaged = [] if is_sharded_index(state) else damaged_zip_entries(path)
@@ -142,18 +151,46 @@ def _inference_plan(path: Path, state: dict[str, Any], dtype: torch.dtype | None
     return exported, plan
 
 
+def _legacy_inference_state(path: Path, dtype: torch.dtype | None) -> dict[str, Any]:
+    """A legacy-format (one pickle stream) checkpoint without optimizer state, read whole:
+    that format has no records to stream from; such files predate torch 1.6 or were saved
+    with ``_use_new_zipfile_serialization=False``."""
+    state = _load(path, "cpu")
+    _require_fairseq_checkpoint(path, state)
+    exported = {key: value for key, value in state.items() if key not in _DROPPED}
+    cast: dict[int, torch.Tensor] = {}  # a tied weight's names keep one tensor
+
+    def as_exported(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or dtype is None \
+                or not value.is_floating_point():
+            return value
+        if id(value) not in cast:
+            cast[id(value)] = value.to(dtype)
+        return cast[id(value)]
+
+    exported["model"] = {name: as_exported(value) for name, value in state["model"].items()}
+    return exported
+
+
 def export_consolidated(
     source: str | Path, destination: str | Path, dtype: torch.dtype | None = None
 ) -> Path:
     """Write the inference checkpoint of ``source`` to ``destination`` (atomically), one
     tensor at a time."""
     path = resolve_checkpoint(source)
-    state = _load(path, "meta")  # the pickle only: tensors on the meta device
-    _require_fairseq_checkpoint(path, state)
     try:
-        exported, plan = _inference_plan(path, state, dtype)
-    except (ShardedCheckpointError, StoredTensorError) as error:
-        raise ConsolidateError(str(error)) from error
+        legacy = checkpoint_format(path) == "legacy"
+    except NotACheckpointError as error:
+        raise ConsolidateError(f"{path}: {error}") from error
+    if legacy:
+        exported, plan = _legacy_inference_state(path, dtype), ResidentTensor
+    else:
+        state = _load(path, "meta")  # the pickle only: tensors on the meta device
+        _require_fairseq_checkpoint(path, state)
+        try:
+            exported, plan = _inference_plan(path, state, dtype)
+        except (ShardedCheckpointError, StoredTensorError) as error:
+            raise ConsolidateError(str(error)) from error
     destination = Path(destination)
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)

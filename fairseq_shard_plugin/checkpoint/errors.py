@@ -11,6 +11,7 @@ import torch
 
 from fairseq_shard_plugin.checkpoint.atomic_files import WriteError
 from fairseq_shard_plugin.checkpoint.integrity import RESUME_HINT
+from fairseq_shard_plugin.checkpoint.reading import NotACheckpointError, read_checkpoint
 from fairseq_shard_plugin.errors import ShardPluginError
 
 
@@ -74,17 +75,20 @@ def first_cause(error: BaseException) -> str:
     return _first_line(error)
 
 
-# how torch's weights_only unpickler names a type it refused, in its two messages
+# how torch's weights_only unpickler names a type it refused, in its three messages
 _REFUSED_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)"
-                             r"|allowlisted via `add_safe_globals`, but got <class '([^']+)'>")
+                             r"|allowlisted via `add_safe_globals`, but got <class '([^']+)'>"
+                             r"|unsupported GLOBAL (\S+) whose module \S+ is blocked")
 
 
 def describe_unreadable(filename: str | Path, error: BaseException) -> str:
-    """One line for a checkpoint ``torch.load(weights_only=True)`` could not read: a pickled
-    type outside the allow-list (named), or a damaged file."""
+    """One line for a checkpoint ``read_checkpoint`` could not read: a file of neither torch
+    format, a pickled type outside the allow-list (named), or a damaged file."""
+    if isinstance(error, NotACheckpointError):
+        return f"{filename}: {error}"
     refused = _REFUSED_GLOBAL.search(str(error))
     if refused:
-        name = refused.group(1) or refused.group(2)
+        name = next(group for group in refused.groups() if group)
         return (f"{filename}: holds a pickled {name}, which the plugin does not load "
                 "(weights_only=True: unpickling it could run code); re-save the checkpoint "
                 "without it where it was written")
@@ -98,7 +102,7 @@ def describe_checkpoint_problem(
 ) -> str:
     """Diagnose a failed load: unreadable file, then shape or key mismatches, else ``error``."""
     try:
-        state = torch.load(filename, map_location="cpu", weights_only=True, mmap=True)
+        state = read_checkpoint(filename)
         saved = state["model"]
     except Exception as read_error:  # any failure to read means the file is unreadable
         return f"{describe_unreadable(filename, read_error)}; {RESUME_HINT}"

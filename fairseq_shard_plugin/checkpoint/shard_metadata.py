@@ -6,14 +6,21 @@ as it is resumed from, read by fairseq-generate, consolidated or verified.
 :class:`MetadataUnpickler` resolves only the globals that DCP's own metadata holds (its
 metadata dataclasses, ``torch.Size``, torch's dtypes, layouts and memory formats, the
 path it records as the checkpoint id) and refuses every other one by name, before anything
-is called. :func:`load_metadata` also refuses what DCP would misuse later: shard file names
-that leave the directory, and non-tensor entries, which DCP unpickles without restriction
-on load (the plugin writes only tensors). :class:`SafeFileSystemReader` reads metadata so,
-and is the ``storage_reader`` of every ``dcp.load`` of the plugin.
+is called. It is pickle's pure-Python unpickler, so that the opcodes that change existing
+objects can be checked too: BUILD only fills in fresh instances of DCP's metadata classes
+(a BUILD on an allowed *class* would change it for the rest of the process).
+:func:`load_metadata` then checks every part by its exact type and refuses what DCP would
+misuse later: shard file names that leave the directory, chunks whose claimed size exceeds
+their stored bytes, and non-tensor entries, which DCP unpickles without restriction on load
+(the plugin writes only tensors). :class:`SafeFileSystemReader` reads metadata so, checks
+that each shard file resolves inside its directory, and is the ``storage_reader`` of every
+``dcp.load`` of the plugin.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import pathlib
 import pickle
 from pathlib import Path
@@ -24,10 +31,15 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 import torch.distributed.checkpoint.metadata as dcp_metadata
 import torch.serialization
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
+    MetadataIndex,
     StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
 )
 
 from fairseq_shard_plugin.errors import ShardPluginError
@@ -49,6 +61,10 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 # torch.float32 and the like pickle as the attribute of the torch module they are
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
+# The classes whose fresh instances BUILD may fill in (their dataclass fields only).
+_BUILDABLE = frozenset({Metadata, StorageMeta, MetadataIndex, TensorStorageMetadata,
+                        BytesStorageMetadata, ChunkStorageMetadata, TensorProperties,
+                        _StorageInfo})
 
 
 class UnsafeMetadataError(ShardPluginError, pickle.UnpicklingError):
@@ -60,8 +76,20 @@ def _shown(text: str) -> str:
     return (text if text.isprintable() else repr(text))[:120]
 
 
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata; any global outside its allow-list is refused by name."""
+def _refuse(where: str | Path, what: str) -> UnsafeMetadataError:
+    return UnsafeMetadataError(f"{where}: {what}, which DCP's metadata never does (a crafted "
+                               "checkpoint?); refused to unpickle it")
+
+
+class MetadataUnpickler(pickle._Unpickler):  # the pure-Python one: its opcodes can be checked
+    """Unpickles DCP metadata; any global outside its allow-list is refused by name.
+
+    Opcodes that change an existing object act only on objects of the exact types DCP's
+    metadata builds them on: BUILD (set attributes) on fresh instances of DCP's metadata
+    classes, with their own fields only, never on a class, an enum member or a path (a
+    change to a class would outlive this file); SETITEM(S) on dicts, APPEND(S) on lists."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def __init__(self, stream: IO[bytes], where: str | Path) -> None:
         super().__init__(stream)
@@ -79,31 +107,184 @@ class MetadataUnpickler(pickle.Unpickler):
             f"{self.where}: refers to {_shown(module)}.{_shown(name)}, which DCP's metadata "
             "never holds (a crafted checkpoint?); refused to unpickle it")
 
+    def _target(self, depth: int, kind: type, opcode: str) -> None:
+        target = self.stack[-depth] if len(self.stack) >= depth else None
+        if type(target) is not kind:
+            raise _refuse(self.where, f"{opcode} on a {type(target).__name__}")
+
+    def load_build(self) -> None:
+        state, instance = self.stack[-1], self.stack[-2]
+        cls = type(instance)
+        if cls not in _BUILDABLE:
+            shown = instance.__name__ if isinstance(instance, type) else cls.__name__
+            raise _refuse(self.where, f"sets attributes of {_shown(shown)}")
+        if cls is TensorProperties:  # its own __setstate__ takes a 5-tuple
+            if type(state) is not tuple or len(state) != 5:
+                raise _refuse(self.where, "gives TensorProperties an unexpected state")
+            self.stack.pop()
+            TensorProperties.__setstate__(instance, state)
+            return
+        names = {f.name for f in dataclasses.fields(cls)}
+        if type(state) is not dict or not all(type(k) is str and k in names for k in state):
+            raise _refuse(self.where, f"sets attributes {cls.__name__} does not have")
+        self.stack.pop()
+        instance.__dict__.update(state)
+
+    def load_setitem(self) -> None:
+        self._target(3, dict, "SETITEM")
+        super().load_setitem()
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()
+        if type(self.stack[-1]) is not dict:
+            raise _refuse(self.where, f"SETITEMS on a {type(self.stack[-1]).__name__}")
+        for i in range(0, len(items), 2):
+            self.stack[-1][items[i]] = items[i + 1]
+
+    def load_append(self) -> None:
+        self._target(2, list, "APPEND")
+        super().load_append()
+
+    def load_appends(self) -> None:
+        items = self.pop_mark()
+        if type(self.stack[-1]) is not list:
+            raise _refuse(self.where, f"APPENDS on a {type(self.stack[-1]).__name__}")
+        self.stack[-1].extend(items)
+
+    def load_additems(self) -> None:
+        raise _refuse(self.where, "builds a set")
+
+    dispatch[pickle.BUILD[0]] = load_build
+    dispatch[pickle.SETITEM[0]] = load_setitem
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+    dispatch[pickle.APPEND[0]] = load_append
+    dispatch[pickle.APPENDS[0]] = load_appends
+    dispatch[pickle.ADDITEMS[0]] = load_additems
+
 
 def _plain_file_name(name: Any) -> bool:
-    return (isinstance(name, str) and name not in ("", ".", "..")
+    return (type(name) is str and name not in ("", ".", "..")
             and "/" not in name and "\\" not in name and "\0" not in name)
 
 
+def _is_size(value: Any) -> bool:
+    return type(value) is torch.Size and all(type(n) is int and n >= 0 for n in value)
+
+
+def _plain_data(value: Any, depth: int = 0) -> bool:
+    """Nested dicts, lists and tuples of strings, ints, bools and None (the planner's data)."""
+    if value is None or type(value) in (str, int, bool):
+        return True
+    if depth > 32:
+        return False
+    if type(value) is dict:
+        return all(_plain_data(k, depth + 1) and _plain_data(v, depth + 1)
+                   for k, v in value.items())
+    if type(value) in (list, tuple):
+        return all(_plain_data(v, depth + 1) for v in value)
+    return False
+
+
+def _check_storage_info(where: str | Path, key: Any, info: Any) -> None:
+    if type(key) is not MetadataIndex or type(key.fqn) is not str or not (
+            key.offset is None or _is_size(key.offset)):
+        raise _refuse(where, f"indexes its storage by a {type(key).__name__}")
+    if type(info) is not _StorageInfo:
+        raise _refuse(where, f"describes the storage of {_shown(key.fqn)} by a "
+                             f"{type(info).__name__}")
+    if not _plain_file_name(info.relative_path):
+        raise UnsafeMetadataError(
+            f"{where}: names the shard file {_shown(str(info.relative_path))}, which is not a "
+            "file of its directory (a crafted checkpoint?)")
+    if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 \
+            or info.length < 0:
+        raise _refuse(where, f"gives {_shown(key.fqn)} a storage offset or length that is "
+                             "not a count of bytes")
+    if info.transform_descriptors not in (None, [], ()):
+        raise _refuse(where, f"asks for transforms of {_shown(key.fqn)}'s bytes")
+
+
+def _chunk_inside(chunk: Any, size: torch.Size) -> bool:
+    if type(chunk) is not ChunkStorageMetadata or not _is_size(chunk.offsets) \
+            or not _is_size(chunk.sizes) or not len(chunk.offsets) == len(chunk.sizes) == len(size):
+        return False
+    return all(o + n <= s for o, n, s in zip(chunk.offsets, chunk.sizes, size, strict=True))
+
+
+def _check_tensor_entry(where: str | Path, fqn: str, entry: Any, storage: dict) -> None:
+    """A tensor's entry: exact types, chunks inside the tensor that cover it, and each
+    chunk's stored bytes at least as many as its elements need."""
+    if type(entry) is not TensorStorageMetadata or type(entry.properties) is not \
+            TensorProperties or type(entry.properties.dtype) is not torch.dtype \
+            or not _is_size(entry.size) or type(entry.chunks) is not list:
+        raise _refuse(where, f"describes {_shown(fqn)} by a {type(entry).__name__} of "
+                             "unexpected parts")
+    itemsize = torch.empty((), dtype=entry.properties.dtype).element_size()
+    covered = 0
+    for chunk in entry.chunks:
+        if not _chunk_inside(chunk, entry.size):
+            raise _refuse(where, f"gives {_shown(fqn)} a chunk outside its shape")
+        info = storage.get(MetadataIndex(fqn, chunk.offsets))
+        if info is None:
+            raise _refuse(where, f"stores no bytes for a chunk of {_shown(fqn)}")
+        elements = math.prod(chunk.sizes)
+        if info.length < elements * itemsize:
+            raise UnsafeMetadataError(
+                f"{where}: {_shown(fqn)} claims a chunk of {elements} elements "
+                f"({elements * itemsize} bytes) stored in {info.length} bytes (a corrupted or "
+                "crafted checkpoint)")
+        covered += elements
+    if covered != math.prod(entry.size):
+        raise _refuse(where, f"gives {_shown(fqn)} chunks that do not cover its shape")
+
+
 def load_metadata(stream: IO[bytes], where: str | Path) -> Metadata:
-    """The DCP metadata in ``stream`` (the file ``where``), or :class:`UnsafeMetadataError`."""
-    metadata = MetadataUnpickler(stream, where).load()
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata,
-                                                            dict):
-        raise UnsafeMetadataError(f"{where}: holds a {type(metadata).__name__}, "
-                                  "not DCP's metadata")
-    for info in (metadata.storage_data or {}).values():
-        name = getattr(info, "relative_path", None)
-        if not _plain_file_name(name):
-            raise UnsafeMetadataError(
-                f"{where}: names the shard file {_shown(str(name))}, which is not a file "
-                "of its directory (a crafted checkpoint?)")
+    """The DCP metadata in ``stream`` (the file ``where``), or :class:`UnsafeMetadataError`.
+
+    Beyond the unpickler's checks, every part must be of the exact type DCP writes (no
+    other object can stand in for a dict or a storage entry), every shard file name a plain
+    file name, every tensor's chunks covered by stored bytes; non-tensor entries (which DCP
+    would unpickle unrestricted) are refused."""
+    try:
+        metadata = MetadataUnpickler(stream, where).load()
+    except UnsafeMetadataError:
+        raise
+    except (pickle.UnpicklingError, EOFError, TypeError, ValueError, AttributeError,
+            IndexError, KeyError, RuntimeError) as error:
+        raise UnsafeMetadataError(f"{where}: not DCP's metadata ({type(error).__name__}: "
+                                  f"{_shown(str(error))})") from error
+    if type(metadata) is not Metadata or type(metadata.state_dict_metadata) is not dict \
+            or type(metadata.storage_data) is not dict:
+        raise UnsafeMetadataError(f"{where}: holds a {type(metadata).__name__} of unexpected "
+                                  "parts, not DCP's metadata")
+    for key, info in metadata.storage_data.items():
+        _check_storage_info(where, key, info)
     for fqn, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, BytesStorageMetadata):
+        if type(fqn) is not str:
+            raise _refuse(where, f"names an entry by a {type(fqn).__name__}")
+        if type(entry) is BytesStorageMetadata:
             raise UnsafeMetadataError(
-                f"{where}: entry {_shown(str(fqn))} is a pickled object, not a tensor (the "
+                f"{where}: entry {_shown(fqn)} is a pickled object, not a tensor (the "
                 "plugin writes only tensors; DCP would unpickle it unrestricted)")
+        _check_tensor_entry(where, fqn, entry, metadata.storage_data)
+    meta = metadata.storage_meta
+    if not (_plain_data(metadata.planner_data) and (metadata.version is None or type(
+            metadata.version) is str) and (meta is None or type(meta) is StorageMeta)):
+        raise _refuse(where, "holds planner data or a version of unexpected types")
+    if meta is not None and not (
+            (meta.checkpoint_id is None or type(meta.checkpoint_id) in (str, pathlib.PosixPath))
+            and _plain_data(meta.save_id) and _plain_data(meta.load_id)
+            and type(meta.modules) is list and _plain_data(meta.modules)):
+        raise _refuse(where, "holds a storage record of unexpected types")
     return metadata
+
+
+def shard_files_outside(directory: Path, metadata: Metadata) -> list[str]:
+    """The shard file names of ``metadata`` that do not resolve to a file of ``directory``
+    (a symlink out of it, say)."""
+    inside = directory.resolve()
+    names = {info.relative_path for info in metadata.storage_data.values()}
+    return sorted(name for name in names if (directory / name).resolve().parent != inside)
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -120,6 +301,12 @@ class SafeFileSystemReader(FileSystemReader):
         with self.fs.create_stream(path, "rb") as stream:
             try:
                 metadata = load_metadata(stream, path)
+                outside = shard_files_outside(Path(self.path), metadata)
+                if outside:
+                    raise UnsafeMetadataError(
+                        f"{path}: its shard file {_shown(outside[0])} resolves to "
+                        f"{Path(self.path, outside[0]).resolve()}, outside its directory "
+                        "(a symlink?)")
             except UnsafeMetadataError as error:
                 self.refusal = error
                 raise

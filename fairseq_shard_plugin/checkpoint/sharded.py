@@ -15,8 +15,10 @@ A sharded checkpoint is two things:
 The index is written, atomically, only after DCP has finished the directory (its
 ``.metadata`` is written last), so a crash never leaves an index pointing at an
 incomplete directory; directories no index refers to are deleted after each save
-(:func:`remove_unreferenced_shards`). DCP reshards on load, so a checkpoint written on N
-ranks loads on any other number of ranks.
+(:func:`remove_unreferenced_shards`), but only those the plugin created and marked as its
+own: ``checkpoint_shards/`` may be a symlink to a scratch disk that holds other things.
+DCP reshards on load, so a checkpoint written on N ranks loads on any other number of
+ranks.
 
 Reading one runs no code from it: the index is read with ``weights_only=True``, its shard
 directory must be one of ``checkpoint_shards/`` beside it (:func:`shard_directory`), and
@@ -25,6 +27,8 @@ DCP's ``.metadata`` is unpickled only through an allow-list (``shard_metadata``)
 
 from __future__ import annotations
 
+import logging
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -54,6 +58,12 @@ from fairseq_shard_plugin.errors import ShardPluginError
 SHARDED_KEY = "sharded_checkpoint"
 SHARDS_DIR = "checkpoint_shards"
 _REF = "__shard__"
+# The file by which cleanup recognises a shard directory as the plugin's own, and its text.
+MARKER = ".fairseq-shard-plugin"
+MARKER_HEADER = "shard directory written by fairseq_shard_plugin:"
+_SHARD_DIR_NAME = re.compile(r"u[0-9]+-[0-9a-f]+")
+
+logger = logging.getLogger(__name__)
 
 
 class ShardedCheckpointError(ShardPluginError, RuntimeError):
@@ -126,12 +136,40 @@ def is_sharded_index(state: Any) -> bool:
 # ---------------------------------------------------------------- saving
 
 
+def _marker_text(name: str) -> str:
+    return f"{MARKER_HEADER} {name}\n"
+
+
 def _new_shard_dir(save_dir: Path, num_updates: int) -> str:
-    """A fresh directory name, chosen by rank 0 and agreed on by all ranks."""
+    """A fresh directory, created and marked as the plugin's by rank 0 (before any shard
+    is written, so that even an interrupted save's directory is recognised), its name
+    agreed on by all ranks."""
     name = [f"{SHARDS_DIR}/u{num_updates}-{time.time_ns():x}"]
     if dist.is_initialized():
         dist.broadcast_object_list(name, src=0)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        mark_as_shard_directory(save_dir / name[0])
     return name[0]
+
+
+def mark_as_shard_directory(directory: Path) -> None:
+    """Create ``directory`` (if need be) with the marker that makes it the plugin's own."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MARKER).write_text(_marker_text(directory.name))
+
+
+def is_plugin_shard_directory(directory: Path) -> bool:
+    """Whether ``directory`` is a shard directory the plugin created: a real directory (not
+    a symlink) named ``u<updates>-<hex>`` that holds the plugin's marker file for that name.
+    Cleanup deletes nothing else."""
+    marker = directory / MARKER
+    if (directory.is_symlink() or not directory.is_dir() or not _SHARD_DIR_NAME.fullmatch(
+            directory.name) or marker.is_symlink() or not marker.is_file()):
+        return False
+    try:
+        return marker.read_text() == _marker_text(directory.name)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def save_sharded(state: dict[str, Any], save_dir: str | Path, num_updates: int) -> dict:
@@ -162,22 +200,31 @@ def save_sharded(state: dict[str, Any], save_dir: str | Path, num_updates: int) 
 def remove_unreferenced_shards(
     save_dir: str | Path, read_index: Callable[[Path], Any]
 ) -> list[Path]:
-    """Delete shard directories that no checkpoint file in ``save_dir`` refers to."""
+    """Delete the plugin's shard directories (:func:`is_plugin_shard_directory`) in
+    ``save_dir/checkpoint_shards`` that no checkpoint file in ``save_dir`` refers to.
+
+    ``checkpoint_shards`` itself may be a symlink (shards on a scratch disk): its entries
+    are listed through it, and only the plugin's own directories among them are candidates.
+    A checkpoint that cannot be read might refer to any of them: then nothing is deleted,
+    and a warning names the file."""
     save_dir = Path(save_dir)
     shards = save_dir / SHARDS_DIR
     if not shards.is_dir():
         return []
     referenced = set()
-    for checkpoint in save_dir.glob("*.pt"):
+    for checkpoint in sorted(save_dir.glob("*.pt")):
         try:
             index = read_index(checkpoint)
-        except Exception:  # an unreadable file refers to nothing we can know: keep all
+            if is_sharded_index(index):
+                referenced.add(shard_directory(checkpoint, index))
+        except Exception as error:  # it may refer to any directory: keep them all
+            logger.warning(f"kept every shard directory in {shards}: {checkpoint} could not be "
+                           f"read ({type(error).__name__}: {str(error)[:200]}), so which one "
+                           "it refers to is unknown")
             return []
-        if is_sharded_index(index):
-            referenced.add((save_dir / index[SHARDED_KEY]["dir"]).resolve())
     removed = []
-    for directory in shards.iterdir():
-        if directory.is_dir() and directory.resolve() not in referenced:
+    for directory in sorted(shards.iterdir()):
+        if is_plugin_shard_directory(directory) and directory.resolve() not in referenced:
             shutil.rmtree(directory, ignore_errors=True)
             removed.append(directory)
     return removed

@@ -14,6 +14,7 @@ from fairseq import utils
 from fairseq_shard_plugin.checkpoint.atomic_files import remove_partial_files, write_atomically
 from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError, describe_shape_mismatch
 from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
+from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.sharded import (
     SHARDED_KEY,
     ShardedCheckpointError,
@@ -72,7 +73,7 @@ def after_save(trainer: Any) -> None:
 
 
 def _read_index(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return read_checkpoint(path)
 
 
 def read_sharded_index(filename: str) -> dict[str, Any] | None:

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fairseq_shard_plugin.checkpoint.errors import describe_unreadable
 from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
+from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
 from fairseq_shard_plugin.checkpoint.sharded import (
     ShardedCheckpointError,
@@ -51,7 +50,7 @@ def check(path: Path) -> Verdict:
     """The verdict on one checkpoint file."""
     allow_fairseq_checkpoint_types()
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = read_checkpoint(path)
     except Exception as error:
         return Verdict(path, False, describe_unreadable(path, error))
     if not isinstance(state, dict) or "model" not in state:
