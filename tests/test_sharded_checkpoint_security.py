@@ -13,6 +13,7 @@ from __future__ import annotations
 import builtins
 import io
 import os
+import pathlib
 import pickle
 import shlex
 import shutil
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
     Metadata,
     TensorProperties,
@@ -385,3 +387,83 @@ def test_an_absolute_path_to_its_own_shards_is_accepted(
     index[SHARDED_KEY]["dir"] = str(directory)
     assert shard_directory(index_file, index) == directory.resolve()
     assert torch.equal(full_tensors(index_file, index)["model/w"], genuine.tensors["model/w"])
+
+
+# ---------------------------------------------------------------- opcodes that change objects
+
+# Each sets an attribute "armed" on something the allow-list admits, which stock pickle does:
+# a class or an enum member (BUILD with slot state), or a class's namespace (SETITEM).
+MUTATIONS = {
+    "build-on-a-class": b"\x80\x02cpathlib\nPosixPath\nN}X\x05\x00\x00\x00armedK\x01s\x86b.",
+    "build-on-an-enum-member": b"\x80\x02ctorch.distributed.checkpoint.metadata\n"
+                               b"_MEM_FORMAT_ENCODING\nK\x00\x85RN}X\x05\x00\x00\x00armedK\x01s"
+                               b"\x86b.",
+    "setitem-on-a-class": b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n"
+                          b"X\x05\x00\x00\x00armedK\x01s.",
+}
+
+
+@pytest.mark.parametrize("crafted", MUTATIONS.values(), ids=MUTATIONS.keys())
+def test_opcodes_that_would_change_an_allowed_class_are_refused(crafted: bytes) -> None:
+    touched = (pathlib.PosixPath, Metadata, _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT)
+    with pytest.raises(UnsafeMetadataError, match="which DCP's metadata never does"):
+        MetadataUnpickler(io.BytesIO(crafted), "crafted").load()
+    assert not any(hasattr(thing, "armed") for thing in touched)
+
+
+def test_a_metadata_file_that_builds_on_a_class_changes_nothing_for_the_next_command(
+    genuine: _Genuine, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The attack on fairseq-shard-consolidate: a first read arming a class for a second."""
+    index_file, _, directory = genuine.copy(tmp_path / "save")
+    (directory / ".metadata").write_bytes(MUTATIONS["build-on-a-class"])
+    out = tmp_path / "out" / "model.pt"
+    for _ in range(2):
+        with pytest.raises(SystemExit) as stopped:
+            cli_consolidate.main([str(index_file.parent), str(out)])
+        message = str(stopped.value.code)
+        assert "sets attributes of PosixPath" in message and "\n" not in message, message
+    assert not hasattr(pathlib.PosixPath, "armed")
+    assert not out.parent.exists()
+
+
+def test_storage_data_of_another_type_is_refused(genuine: _Genuine, tmp_path: Path) -> None:
+    """DCP looks chunks up in storage_data by index: only a real dict, all of whose entries
+    were checked, may stand there."""
+    index_file, index, directory = genuine.copy(tmp_path / "save")
+    metadata = SafeFileSystemReader(directory).read_metadata()
+    metadata.storage_data = list(metadata.storage_data.values())
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ShardedCheckpointError, match="of unexpected parts, not DCP's metadata"):
+        full_tensors(index_file, index)
+    assert not verify.check(index_file).intact
+
+
+def test_a_shard_file_symlinked_out_of_its_directory_is_refused(
+    genuine: _Genuine, tmp_path: Path
+) -> None:
+    index_file, index, directory = genuine.copy(tmp_path / "save")
+    shard = next(directory.glob("*.distcp"))
+    outside = tmp_path / "outside.distcp"
+    shutil.move(shard, outside)
+    shard.symlink_to(outside)
+    for read in (lambda: read_shard_metadata(index_file, index),
+                 lambda: full_tensors(index_file, index)):
+        with pytest.raises(ShardedCheckpointError, match="outside its directory") as error:
+            read()
+        assert "\n" not in str(error.value)
+    verdict = verify.check(index_file)
+    assert not verdict.intact and "outside its directory" in verdict.line, verdict.line
+
+
+def test_a_tensor_claiming_more_elements_than_its_bytes_fails_verify(
+    genuine: _Genuine, tmp_path: Path
+) -> None:
+    index_file, index, directory = genuine.copy(tmp_path / "save")
+    metadata = SafeFileSystemReader(directory).read_metadata()
+    entry = metadata.state_dict_metadata["model/w"]
+    entry.size = entry.chunks[0].sizes = torch.Size([2**20, 2**20])
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    verdict = verify.check(index_file)
+    assert not verdict.intact
+    assert f"model/w claims a chunk of {2**40} elements" in verdict.line, verdict.line
