@@ -47,5 +47,17 @@ def _imported_as_user_dir() -> bool:
     return False
 
 
+def activate_or_exit() -> None:
+    """:func:`activate`, as the user dir and the Hydra callback do it: a fairseq the plugin
+    cannot hook ends the command in one line instead of a traceback through fairseq's
+    argument parsing."""
+    from fairseq_shard_plugin.errors import ShardPluginError
+
+    try:
+        activate()
+    except ShardPluginError as error:
+        raise SystemExit(f"fairseq-shard-plugin: error: {error}") from None
+
+
 if _imported_as_user_dir():
-    activate()
+    activate_or_exit()

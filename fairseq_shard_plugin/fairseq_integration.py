@@ -141,6 +141,7 @@ from fairseq_shard_plugin.training.run_hooks import (
 )
 from fairseq_shard_plugin.training.signal_stop import stopped_by
 from fairseq_shard_plugin.training.validation import (
+    check_any_backend,
     check_sharded_config,
     is_sharded_run,
 )
@@ -261,20 +262,21 @@ def _settings_of(cfg: Any) -> Any:
 
 def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[..., Any]:
     def call_main(cfg: Any, main: Callable[..., Any], **kwargs: Any) -> Any:
-        apply_torchrun_environment(cfg)
-        if not is_sharded_run(cfg):
-            unused = options_given(cfg.task)
-            if unused:
-                logger.warning(
-                    f"{', '.join(unused)}: the plugin's options take effect only with "
-                    f"--ddp-backend fully_sharded (this run: "
-                    f"{cfg.distributed_training.ddp_backend})")
-            return stock_call_main(cfg, main, **kwargs)
-        untie_bf16_from_tpu(cfg)
-        try:
+        try:  # every one-line error, under any backend, the export's included
+            apply_torchrun_environment(cfg)
+            if not is_sharded_run(cfg):
+                check_any_backend(cfg)
+                unused = options_given(cfg.task)
+                if unused:
+                    logger.warning(
+                        f"{', '.join(unused)}: the plugin's options take effect only with "
+                        f"--ddp-backend fully_sharded (this run: "
+                        f"{cfg.distributed_training.ddp_backend})")
+                return stock_call_main(cfg, main, **kwargs)
+            untie_bf16_from_tpu(cfg)
             check_sharded_config(cfg)
             return stock_call_main(cfg, _TrainThenExport(main), **kwargs)
-        except ShardPluginError as error:  # every one-line error, the export's included
+        except ShardPluginError as error:
             sys.exit(f"fairseq-shard-plugin: error: {error}")
 
     return _marked(call_main, stock_call_main)
@@ -489,11 +491,15 @@ def _unhookable() -> list[str]:
     return unhookable
 
 
+class UnsupportedFairseqError(ShardPluginError, ImportError):
+    """A fairseq without the names the plugin hooks; one line naming its version."""
+
+
 def install() -> None:
     """Install the hooks once; fail clearly on a fairseq without the expected names."""
     unhookable = _unhookable()
     if unhookable:
-        raise ImportError(
+        raise UnsupportedFairseqError(
             f"fairseq_shard_plugin does not support fairseq {fairseq.__version__}: "
             f"{', '.join(unhookable)} (supported: fairseq 0.12.x and its nllb branch)"
         )

@@ -29,4 +29,4 @@ class LoadShardPlugin(Callback):
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         import fairseq_shard_plugin
 
-        fairseq_shard_plugin.activate()
+        fairseq_shard_plugin.activate_or_exit()

@@ -38,6 +38,10 @@ TINY = transformer_args(dim=32, ffn=64, layers=1)
 REFUSED = {
     "--amp": ["--amp"],
     "torchrun --nproc_per_node 2": ["--distributed-world-size", "2"],
+    # the plugin's criterion under a stock backend: refused by its constructor, in one line
+    "--loss-chunk-tokens 0: give at least 1": [
+        "--ddp-backend", "legacy_ddp", "--task", "sharded_translation",
+        "--criterion", "chunked_label_smoothed_cross_entropy", "--loss-chunk-tokens", "0"],
 }
 # checked in this process: the message names the flag
 CHECKED = {
@@ -52,6 +56,14 @@ CHECKED = {
     "--restore-file /nowhere/model.pt: no such file": ["--restore-file", "/nowhere/model.pt"],
     "--memory-efficient-bf16 keeps the shards in 16 bits, which only --optimizer adam": [
         "--memory-efficient-bf16", "--optimizer", "sgd"],
+    "--loss-chunk-tokens 0: give at least 1": [
+        "--task", "sharded_translation", "--criterion", "chunked_label_smoothed_cross_entropy",
+        "--loss-chunk-tokens", "0"],
+    "--update-freq 1,2 is a schedule: give --fp16-scale-window N": [
+        "--fp16", "--update-freq", "1,2"],
+    f"--export-consolidated {Path(__file__) / 'model.pt'}: {Path(__file__)} is not a "
+    "directory": ["--task", "sharded_translation",
+                  "--export-consolidated", str(Path(__file__) / "model.pt")],
 }
 ONE_RANK = ["--no-save"]
 # the last update's save writes no file: no last checkpoint, no validation (no best), not
@@ -85,6 +97,7 @@ def test_refused_before_training_with_the_flag_named(
     assert completed.returncode != 0
     last_line = completed.stderr.strip().splitlines()[-1]
     assert last_line.startswith("fairseq-shard-plugin: error: ") and names in last_line
+    assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
     assert not save_dir.exists()
 
 

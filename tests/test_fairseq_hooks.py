@@ -71,15 +71,18 @@ def test_a_foreign_functools_wraps_wrapper_is_wrapped_not_taken_for_the_plugins(
 def test_a_fairseq_without_a_hooked_function_fails_in_one_line_naming_its_version(
     break_it: str, said: str,
 ) -> None:
+    """Loaded as fairseq loads a user dir (``--user-dir``): one line, no traceback."""
     result = run_python(f"""
         {break_it}
-        import fairseq_shard_plugin
-        fairseq_shard_plugin.activate()
+        from argparse import Namespace
+        from fairseq import utils
+        utils.import_user_module(Namespace(user_dir={str(PLUGIN_DIR)!r}))
     """)
     assert result.returncode != 0, result.stdout[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: fairseq_shard_plugin does not support fairseq "
-                           f"{fairseq.__version__}: "), last
+    assert last.startswith("fairseq-shard-plugin: error: fairseq_shard_plugin does not "
+                           f"support fairseq {fairseq.__version__}: "), last
     assert said in last, last
 
 

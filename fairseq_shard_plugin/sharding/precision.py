@@ -28,6 +28,7 @@ from fairseq.optim import FairseqOptimizer
 from fairseq.optim.dynamic_loss_scaler import DynamicLossScaler
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.sharding.local_shards import LocalShards
 from fairseq_shard_plugin.sharding.sharded_adam import ShardedAdam, with_fp32_moments
 
@@ -60,7 +61,10 @@ def fp16_loss_scaler(cfg: Any) -> DynamicLossScaler:
     window = common.fp16_scale_window
     if window is None:
         if len(cfg.optimization.update_freq) > 1:
-            raise ValueError("--fp16-scale-window must be given with an --update-freq schedule")
+            raise ShardingConfigError(
+                f"--update-freq {','.join(map(str, cfg.optimization.update_freq))} is a "
+                "schedule: give --fp16-scale-window N with it (fairseq derives the loss "
+                "scale's window from a single --update-freq)")
         ranks = cfg.distributed_training.distributed_world_size
         window = int(2**14 / ranks / cfg.optimization.update_freq[0])
     return DynamicLossScaler(

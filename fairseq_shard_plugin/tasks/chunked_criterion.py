@@ -19,6 +19,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 )
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
+from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.sharding.wrap_policy import is_linear_layer
 from fairseq_shard_plugin.tasks.chunked_cross_entropy import chunked_label_smoothed_cross_entropy
 
@@ -70,7 +71,9 @@ class ChunkedLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriteri
     ) -> None:
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         if loss_chunk_tokens < 1:
-            raise ValueError("--loss-chunk-tokens must be at least 1")
+            raise ShardingConfigError(
+                f"--loss-chunk-tokens {loss_chunk_tokens}: give at least 1 (the number of "
+                "target tokens whose logits exist at once; 1024 by default)")
         self.loss_chunk_tokens = loss_chunk_tokens
 
     def forward(self, model: Any, sample: dict, reduce: bool = True) -> tuple:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.sharding.settings import ranks_per_node
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,9 @@ def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
         node += int(repeat.rstrip(")")) if repeat else 1
         if node_id < node:
             return int(count)
-    raise ValueError(f"node {node_id} is not in SLURM_TASKS_PER_NODE={tasks_per_node}")
+    raise ShardingConfigError(f"Slurm's SLURM_TASKS_PER_NODE={tasks_per_node} has no node "
+                              f"{node_id} (SLURM_NODEID): launch with srun inside the job "
+                              "allocation, or set the torchrun variables yourself")
 
 
 def slurm_as_torchrun(

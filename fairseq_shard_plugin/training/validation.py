@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_WRAP
@@ -22,6 +23,7 @@ def check_sharded_config(cfg: Any) -> None:
     """Raise :class:`ShardingConfigError` for a sharded run that cannot work."""
     _check_fairseq_features(cfg)
     _check_plugin_options(cfg)
+    _check_values(cfg)
     _check_parallelism_and_launch(cfg)
     _check_restore_file(cfg.checkpoint)
     check_branch_options(cfg)
@@ -95,6 +97,51 @@ def _check_plugin_options(cfg: Any) -> None:
             "--fp32-reduce-scatter and --reduce-in-16-bit contradict each other: drop one "
             "(gradients reduce in fp32 by default under the plugin)"
         )
+
+
+def check_any_backend(cfg: Any) -> None:
+    """What the plugin's task and criterion need under every ``--ddp-backend``."""
+    chunk = getattr(cfg.criterion, "loss_chunk_tokens", None)
+    if chunk is not None and chunk < 1:
+        raise ShardingConfigError(
+            f"--loss-chunk-tokens {chunk}: give at least 1 (the number of target tokens "
+            "whose logits exist at once; 1024 by default)")
+
+
+def _check_values(cfg: Any) -> None:
+    """Numbers and paths that would fail only once training runs (or, for the export, once
+    it has finished)."""
+    check_any_backend(cfg)
+    common, schedule = cfg.common, cfg.optimization.update_freq
+    if (common.fp16 or common.memory_efficient_fp16) and common.fp16_scale_window is None \
+            and len(schedule) > 1:
+        raise ShardingConfigError(
+            f"--update-freq {','.join(map(str, schedule))} is a schedule: give "
+            "--fp16-scale-window N with it (fairseq derives the loss scale's window from a "
+            "single --update-freq)")
+    target = sharding_options(cfg.task).export_consolidated
+    problem = unwritable_file(target) if target else None
+    if problem:
+        raise ShardingConfigError(
+            f"--export-consolidated {target}: {problem}; the export would fail only after "
+            "training: give a path that can be written")
+
+
+def unwritable_file(target: str) -> str | None:
+    """Why a file could not be written at ``target`` (its directories created as needed),
+    or None. Checked before training; the export itself still reports what the system
+    refuses."""
+    path = Path(target)
+    if path.is_dir():
+        return "it is a directory (name the file, e.g. model.pt inside it)"
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{ancestor} is not a directory"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{ancestor} is not writable"
+    return None
 
 
 def _check_restore_file(checkpoint_cfg: Any) -> None:

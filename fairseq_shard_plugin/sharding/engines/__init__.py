@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.sharding.engines import fsdp2
 from fairseq_shard_plugin.sharding.full_state import gather_full_state
 from fairseq_shard_plugin.sharding.gradients import global_grad_norm
@@ -137,7 +138,8 @@ class FairscaleEngine:
 
     def gathered(self, plan: ShardingPlan) -> AbstractContextManager[None]:
         # validation.check_fairscale_engine refuses the options that would need it
-        raise NotImplementedError("generation in validation needs --shard-engine fsdp2")
+        raise ShardingConfigError("generation in validation (--eval-bleu and the like) needs "
+                                  "--shard-engine fsdp2")
 
 
 def build_engine(settings: ShardingSettings) -> Engine:
@@ -146,4 +148,5 @@ def build_engine(settings: ShardingSettings) -> Engine:
         return Fsdp2Engine(settings)
     if settings.engine == "fairscale":
         return FairscaleEngine(settings)
-    raise ValueError(f"unknown --shard-engine {settings.engine}: use fsdp2 or fairscale")
+    raise ShardingConfigError(f"unknown --shard-engine {settings.engine}: use fsdp2 or "
+                              "fairscale")

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from fairscale.nn.checkpoint import checkpoint_wrapper
 from fairscale.nn.data_parallel import FullyShardedDataParallel
 
+from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.sharding.wrap_policy import (
     LAYER_CLASSES,
     ShardingPlan,
@@ -144,7 +145,7 @@ def _tied_parts(unit: ShardUnit, model: nn.Module) -> tuple[nn.Embedding, list[s
         p.weight is not embeddings[0].weight or getattr(p, "bias", None) is not None
         for p in projections
     ):
-        raise ValueError(
+        raise ShardingConfigError(
             f"--shard-engine fairscale cannot shard the tied unit {unit.name}: it needs one "
             "nn.Embedding and bias-free nn.Linear projections sharing its weight; "
             "use --shard-engine fsdp2"
