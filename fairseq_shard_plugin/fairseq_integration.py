@@ -196,19 +196,21 @@ def _sharding_layers_as_built(stock_wrap: Callable[..., Any]) -> Callable[..., A
     return _marked(wrap_layer, stock_wrap)
 
 
+# fairseq's modules whose layer builders call ``fsdp_wrap``: the first two exist in 0.12 and
+# the nllb branch, the last only in some versions (where it exists, it is hooked too)
+_LAYER_BUILDERS = ("fairseq.models.transformer.transformer_encoder",
+                   "fairseq.models.transformer.transformer_decoder")
+_OPTIONAL_LAYER_BUILDERS = ("fairseq.models.transformer.transformer_decoder_aug",)
+
+
 def _layer_builder_modules() -> list[Any]:
-    """fairseq's modules whose layer builders call ``fsdp_wrap`` (present in 0.12 and the
-    nllb branch; a fairseq without one builds that model's layers unsharded, as before)."""
-    names = ("fairseq.models.transformer.transformer_encoder",
-             "fairseq.models.transformer.transformer_decoder",
-             "fairseq.models.transformer.transformer_decoder_aug")
-    modules = []
-    for name in names:
-        try:
+    """The modules of ``_LAYER_BUILDERS`` and those of ``_OPTIONAL_LAYER_BUILDERS`` that
+    this fairseq has (``_unhookable`` has checked that each has its ``fsdp_wrap``)."""
+    modules = [importlib.import_module(name) for name in _LAYER_BUILDERS]
+    for name in _OPTIONAL_LAYER_BUILDERS:
+        with contextlib.suppress(ModuleNotFoundError):
             modules.append(importlib.import_module(name))
-        except ImportError:
-            continue
-    return [module for module in modules if callable(getattr(module, "fsdp_wrap", None))]
+    return modules
 
 
 def _select_trainer(stock_trainer: type) -> Callable[..., Any]:
@@ -472,22 +474,41 @@ def _train_modules() -> list[Any]:
 
 
 def _unhookable() -> list[str]:
-    """The names install() replaces that this fairseq lacks or has as non-callables."""
-    required = [(train_cli, name) for name in _HOOKED_NAMES] + [
+    """The names install() replaces, swaps or overrides that this fairseq lacks or has as
+    something else: each would otherwise leave its hook silently without effect."""
+    from fairseq.trainer import Trainer
+
+    required: list[tuple[Any, str]] = [(train_cli, name) for name in _HOOKED_NAMES] + [
         (distributed_utils, "call_main"),
         (checkpoint_utils, "load_checkpoint_to_cpu"),
         (checkpoint_utils, "save_checkpoint"),
         (fairseq_utils, "import_user_module"),
+        (checkpoint_utils.PathManager, "copy"),  # hook 5 swaps the module's PathManager
+        # the private methods ShardedTrainer overrides (hook 2)
+        (Trainer, "_build_optimizer"),
+        (Trainer, "_reduce_and_log_stats"),
     ]
     if hasattr(checkpoint_utils, "torch_load_cpu"):  # nllb branch only
         required.append((checkpoint_utils, "torch_load_cpu"))
     unhookable = []
-    for module, name in required:
-        value = getattr(module, name, None)
+    for name in _LAYER_BUILDERS + _OPTIONAL_LAYER_BUILDERS:  # hook 1, as fairseq builds
+        try:
+            required.append((importlib.import_module(name), "fsdp_wrap"))
+        except ModuleNotFoundError:
+            if name in _LAYER_BUILDERS:
+                unhookable.append(f"missing {name}")
+    for owner, name in required:
+        value = getattr(owner, name, None)
+        where = getattr(owner, "__module__", None) if isinstance(owner, type) else None
+        shown = f"{where}.{owner.__name__}.{name}" if where else f"{owner.__name__}.{name}"
         if value is None:
-            unhookable.append(f"missing {module.__name__}.{name}")
+            unhookable.append(f"missing {shown}")
         elif not callable(value):
-            unhookable.append(f"{module.__name__}.{name} is not callable")
+            unhookable.append(f"{shown} is not callable")
+    import torch
+
+    if checkpoint_utils.__dict__.get("torch") is not torch:  # hook 6 swaps it while loading
+        unhookable.append("fairseq.checkpoint_utils does not use torch under that name")
     return unhookable
 
 

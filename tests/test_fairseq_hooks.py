@@ -67,7 +67,14 @@ def test_a_foreign_functools_wraps_wrapper_is_wrapped_not_taken_for_the_plugins(
      "missing fairseq.distributed.utils.call_main"),
     ("import fairseq_cli.train as m; m.validate_and_save = 42",
      "fairseq_cli.train.validate_and_save is not callable"),
-], ids=["missing", "not-callable"])
+    # names that are swapped or overridden rather than replaced: each would vanish silently
+    ("import fairseq.models.transformer.transformer_encoder as m; del m.fsdp_wrap",
+     "missing fairseq.models.transformer.transformer_encoder.fsdp_wrap"),
+    ("import fairseq.trainer as m; del m.Trainer._reduce_and_log_stats",
+     "missing fairseq.trainer.Trainer._reduce_and_log_stats"),
+    ("import fairseq.checkpoint_utils as m; m.torch = None",
+     "fairseq.checkpoint_utils does not use torch under that name"),
+], ids=["missing", "not-callable", "layer-builder", "trainer-method", "checkpoint-torch"])
 def test_a_fairseq_without_a_hooked_function_fails_in_one_line_naming_its_version(
     break_it: str, said: str,
 ) -> None:
