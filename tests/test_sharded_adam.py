@@ -3,7 +3,10 @@ or 16-bit tensors, 16-bit moments in FusedAdamV1's layout, pieces, and reloading
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,9 @@ from fairseq.optim.adam import Adam as FairseqAdam
 
 from fairseq_shard_plugin.sharding import sharded_adam
 from fairseq_shard_plugin.sharding.sharded_adam import ShardedAdam, with_fp32_moments
+from launching.harness import REPO, rank_environment, start_ranks
+
+from tiny_training import TINY
 
 SHAPES = [(48, 32), (32,), (0, 8), (1000,)]
 SETTINGS = dict(lr=1e-3, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01)
@@ -232,3 +238,28 @@ def test_scales_are_the_largest_new_moments(dtype: torch.dtype) -> None:
             1e-8 + float(first.abs().max()) / 65504, rel=1e-6)
         assert state["exp_avg_sq_scale"] == pytest.approx(
             1e-8 + float(second.max()) / 65504, rel=1e-6)
+
+
+@pytest.mark.e2e
+def test_every_rank_scales_16_bit_moments_by_the_largest_over_all_ranks(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """The trainer's own optimizer on 2 ranks whose gradients differ in size: each
+    parameter's scale is the same on both ranks, and the rank holding the largest moment
+    uses fp16's whole range. (A scale reduced by sum would leave the range half unused; one
+    not reduced at all would differ between the ranks.)"""
+    report = tmp_path / "report.json"
+    command = [sys.executable, str(REPO / "tests" / "helpers" / "fp16_moment_scales.py"),
+               str(report), str(corpus), *TINY, "--cpu", "--task", "sharded_translation",
+               "--ddp-backend", "fully_sharded", "--optimizer", "adam", "--lr", "1e-3",
+               "--memory-efficient-fp16", "--fp16-adam-stats"]
+    code, output = start_ranks(command, 2, rank_environment(), timeout=300)
+    assert code == 0, output[-4000:]
+    found = json.loads(report.read_text())
+    assert found["optimizer"] == "ShardedAdam"
+    first, second = found["ranks"]
+    assert len(first) == len(second) > 0
+    for (scale_0, largest_0), (scale_1, largest_1) in zip(first, second, strict=True):
+        assert scale_0 == scale_1
+        if largest_0 or largest_1:
+            assert max(largest_0, largest_1) == pytest.approx(65504, rel=1e-2)
