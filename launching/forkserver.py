@@ -13,7 +13,9 @@ it exactly as a user's run does.
 What differs from a fresh process: the preloaded modules were imported under the
 server's environment (``OMP_NUM_THREADS=1``, as every test launch sets), and all ranks
 share the server's hash seed. Benchmarks never use it (their memory and time figures come
-from fresh processes); tests opt in with ``FAIRSEQ_SHARD_TEST_FORKSERVER=1``.
+from fresh processes); tests opt in with ``FAIRSEQ_SHARD_TEST_FORKSERVER=1``, and on a
+machine with a CUDA device every process starts fresh (a fork cannot use CUDA once the
+process it was forked from has touched it).
 
 Protocol, one connection per process: the client sends a JSON request (argv, env, cwd)
 with its output file descriptor attached; a per-process monitor forked from the server
@@ -238,8 +240,9 @@ _lock = threading.Lock()
 
 def can_fork(argv: list[str]) -> bool:
     """Whether ``argv`` runs Python code the server can run: a console script of this
-    Python, or this Python with a script, ``-m module`` or ``-c code``."""
-    if os.environ.get(ENABLE_VARIABLE) != "1" or not argv:
+    Python, or this Python with a script, ``-m module`` or ``-c code``; never on a machine
+    with a CUDA device, where a fork of a process that has touched CUDA cannot use it."""
+    if os.environ.get(ENABLE_VARIABLE) != "1" or not argv or _has_cuda_device():
         return False
     if argv[0] == sys.executable:
         return len(argv) > 2 and (argv[1] in ("-c", "-m") or argv[1].endswith(".py"))
@@ -249,6 +252,12 @@ def can_fork(argv: list[str]) -> bool:
     except OSError:
         return False
     return first_line.strip() == f"#!{sys.executable}".encode()
+
+
+def _has_cuda_device() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def start(argv: list[str], env: dict[str, str], cwd: Path | str, output: IO[bytes],
