@@ -91,6 +91,15 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    usual) without validating, and the loop stops. Hook 4 then exits with 128 + the
    signal's number instead of exporting. A signal during the last update changes nothing.
 
+10. ``eval`` in fairseq's convolutional model modules (``fconv``, ``fconv_lm``,
+    ``fconv_self_att``, ``lightconv_lm``, ``transformer_lm``): their ``build_model`` turns
+    layer-spec strings of the model config into lists with Python's ``eval``, and a
+    checkpoint carries that config, so loading a stranger's checkpoint (fairseq-generate,
+    ``from_pretrained``, a resume) would run whatever the strings say. There is no option
+    for it; a module-level name ``eval`` in those modules shadows the builtin, and the
+    plugin's (``checkpoint.literal_specs``) evaluates literals joined by ``+`` and ``*``
+    only. Speech models' feature-extractor specs still go through the builtin.
+
 Signatures that differ between fairseq 0.12 and the nllb branch (extra keyword arguments of
 ``fsdp_enable_wrap``, ``save_checkpoint``, ``load_checkpoint_to_cpu``, ``Trainer.state_dict``
 and ``Trainer.save_checkpoint``) are passed through, so both work.
@@ -516,6 +525,21 @@ class UnsupportedFairseqError(ShardPluginError, ImportError):
     """A fairseq without the names the plugin hooks; one line naming its version."""
 
 
+# fairseq's model modules that ``eval`` layer specs from the model config (hook 10)
+_SPEC_EVALUATING_MODULES = ("fairseq.models.fconv", "fairseq.models.fconv_lm",
+                            "fairseq.models.fconv_self_att", "fairseq.models.lightconv_lm",
+                            "fairseq.models.transformer_lm")
+
+
+def _literal_specs_only() -> None:
+    """Hook 10: the spec-evaluating modules find the plugin's ``eval`` before the builtin."""
+    from fairseq_shard_plugin.checkpoint.literal_specs import literal_spec
+
+    for name in _SPEC_EVALUATING_MODULES:
+        with contextlib.suppress(ModuleNotFoundError):
+            importlib.import_module(name).eval = literal_spec
+
+
 def install() -> None:
     """Install the hooks once; fail clearly on a fairseq without the expected names."""
     unhookable = _unhookable()
@@ -536,6 +560,7 @@ def install() -> None:
         if not _is_plugin_hook(module.fsdp_wrap):
             module.fsdp_wrap = _sharding_layers_as_built(module.fsdp_wrap)
     fairseq_meters.MaxMeter = MaxMeter
+    _literal_specs_only()
     stock_load_cpu = getattr(checkpoint_utils, "torch_load_cpu", None)  # nllb branch only
     if stock_load_cpu is not None and not _is_plugin_hook(stock_load_cpu):
         checkpoint_utils.torch_load_cpu = _keeping_fp32_masters(stock_load_cpu)

@@ -153,3 +153,44 @@ def test_fairseq_maps_the_checkpoints_it_loads(tmp_path: Path) -> None:
     """)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "mapped"
+
+
+def test_fconv_layer_specs_from_a_config_are_evaluated_as_data_only(tmp_path: Path) -> None:
+    """fairseq's fconv builds its layers with ``eval`` of config strings, which a checkpoint
+    carries: stock fairseq runs a crafted one; under the plugin only literals joined by
+    + and * are evaluated, and anything else is refused in one line."""
+    marker = tmp_path / "marker"
+    result = run_python(f"""
+        import argparse, os
+        from types import SimpleNamespace
+        from fairseq.data import Dictionary
+        from fairseq.models import fconv
+
+        task = SimpleNamespace(source_dictionary=Dictionary(), target_dictionary=Dictionary())
+
+        def build(encoder_layers):
+            args = argparse.Namespace(encoder_layers=encoder_layers)
+            fconv.base_architecture(args)
+            args.encoder_embed_dim = args.decoder_embed_dim = args.decoder_out_embed_dim = 8
+            args.max_source_positions = args.max_target_positions = 64
+            args.decoder_layers = "[(8, 3)] * 2"
+            return fconv.FConvModel.build_model(args, task)
+
+        crafted = "__import__('os').system('touch {marker}') or [(8, 3)]"
+        build(crafted)  # stock fairseq: the string runs
+        assert os.path.exists({str(marker)!r}), "the crafted spec did not run in stock fairseq"
+        os.remove({str(marker)!r})
+
+        import fairseq_shard_plugin
+        fairseq_shard_plugin.activate()
+        assert len(build("[(8, 3)] * 2 + [(8, 1)]").encoder.convolutions) == 3
+        try:
+            build(crafted)
+        except ValueError as error:
+            print(error)
+        assert not os.path.exists({str(marker)!r}), "the crafted spec ran under the plugin"
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = result.stdout.strip().splitlines()[-1]
+    assert line.startswith("the model config's layer spec \"__import__('os')"), line
+    assert "holds boolop syntax: only literals joined by + and * are evaluated" in line, line
