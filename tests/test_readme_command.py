@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from launching import forkserver
-from launching.harness import REPO, parse_logs, rank_environment, run_command
+from launching.harness import (
+    REPO,
+    parse_logs,
+    rank_environment,
+    run_command,
+    run_concurrently,
+    tool,
+)
 
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
 
@@ -49,3 +56,25 @@ def test_ranks_are_never_forked_on_a_machine_with_cuda(monkeypatch: pytest.Monke
     assert forkserver.can_fork(script)
     monkeypatch.setattr(forkserver, "_has_cuda_device", lambda: True)
     assert not forkserver.can_fork(script)
+
+
+def test_console_scripts_print_only_their_own_output(corpus: Path, tmp_path: Path) -> None:
+    """No fairscale FutureWarning or fairseq tensorboardX notice before the script's lines."""
+    checkpoint = tmp_path / "checkpoint_last.pt"
+    checkpoint.write_bytes(b"not a checkpoint")
+    finished = run_concurrently({
+        "estimate": [tool("fairseq-shard-estimate"), "--world-size", "2", "--",
+                     str(corpus), "--arch", "transformer", "--share-all-embeddings",
+                     "--max-tokens", "512", "--optimizer", "adam"],
+        "verify": [tool("fairseq-shard-verify"), str(tmp_path)],
+        "consolidate": [tool("fairseq-shard-consolidate"), str(tmp_path), str(tmp_path / "o.pt")],
+    })
+    for name, done in finished.items():
+        output = done.stdout + done.stderr
+        assert "Warning" not in output and "tensorboardX" not in output, (name, output[:2000])
+    assert finished["estimate"].returncode == 0
+    assert finished["verify"].stdout.startswith(f"{checkpoint}: not a PyTorch checkpoint")
+    assert finished["consolidate"].stderr.strip() == (
+        f"fairseq-shard-consolidate: error: {checkpoint}: not a PyTorch checkpoint: the file "
+        "starts with bytes 6e6f7420, neither a zip archive (torch.save since torch 1.6) nor "
+        "the legacy pickle format")

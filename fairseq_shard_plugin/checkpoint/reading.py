@@ -49,9 +49,9 @@ def checkpoint_format(path: str | Path) -> str:
         return "zip"
     if head[:2] == _LEGACY_MAGIC:
         return "legacy"
-    shown = "empty" if not head else f"starts with bytes {head.hex()}"
+    shown = "is empty" if not head else f"starts with bytes {head.hex()}"
     raise NotACheckpointError(
-        f"not a PyTorch checkpoint: the file is {shown}, neither a zip archive (torch.save "
+        f"not a PyTorch checkpoint: the file {shown}, neither a zip archive (torch.save "
         "since torch 1.6) nor the legacy pickle format")
 
 
