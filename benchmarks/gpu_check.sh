@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU check, one CUDA device, one call. The device image has python3 with a CUDA torch but
-# no fairseq: `make gpu-wheels` (run here, on the CPU machine) puts fairseq-fixed,
-# fairscale and their pure-Python dependencies into .whl/, which the call carries.
+# GPU check, one CUDA device, one call. The device image has python3 (3.12) with a CUDA torch
+# and numpy 2 but no fairseq: `make gpu-wheels` (run here, on the CPU machine) puts
+# ve-fairseq's prebuilt cp312 wheel, fairscale, their dependencies and the plugin as wheels
+# into .whl/, which the call carries.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
 # Two parts (benchmarks/gpu_check.py says what each measures and how):
 #   1. benchmarks/results/gpu_check.{md,json}: five trainings at the NLLB-600M shape, world
@@ -15,8 +16,7 @@
 #      on CPU: a fake group cannot pass it).
 # Time budget, 480 s in all (the call's 540 s less a margin). Each step must end by the sum
 # of its budget and those before it, so seconds an earlier step leaves go to the next ones:
-#   pip install of .whl/ (fairseq-fixed compiles its C++/Cython extensions)  140 s
-#   pip install of the plugin                                                  25 s
+#   pip install of .whl/ (wheels only, nothing compiles)                      30 s
 #   nvidia-smi                                                                 10 s
 #   part 1, trainings (at most 90 s each; the fifth if time is left)          185 s
 #   part 2, configurations (at most 60 s each; the list may end early)      120 s
@@ -64,24 +64,21 @@ summary() {
 
 if ! python3 -c "import fairseq" 2>/dev/null; then
     [ -d .whl ] || { echo "no fairseq and no .whl/: run 'make gpu-wheels' first" >&2; exit 2; }
-    # fairseq-fixed is an sdist: it compiles its extensions against the local torch. Its
-    # setup.py adds CUDA extensions (libnat_cuda, ngram_repeat_block_cuda, alignment_train_cuda)
-    # whenever CUDA_HOME is set, so it is unset here. Its only other switch, READTHEDOCS,
-    # drops every extension, data_utils_fast included, which fairseq's batching needs: not set.
-    step "pip install .whl/ (fairseq-fixed, fairscale, deps)" 140 env -u CUDA_HOME \
-        python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" \
-        .whl/*.whl .whl/*.tar.gz
-    step "pip install the plugin" 25 env -u CUDA_HOME \
-        python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE" .
-    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    # wheels only (make gpu-wheels): ve-fairseq's prebuilt cp312 build, nothing to compile
+    step "pip install .whl/ (ve-fairseq, fairscale, deps, the plugin)" 30 \
+        python3 -m pip install -q --no-index --no-deps --target "$SITE" .whl/*.whl
+    # the checkout before the installed copy of the plugin: its code is what runs
+    export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
     export PATH="$SITE/bin:$PATH"
-    if ! python3 -c "import fairseq, fairscale, fairseq_shard_plugin" \
+    # fairseq's batching needs its Cython extensions, built against numpy: check they load
+    if ! python3 -c "import fairseq, fairscale, fairseq_shard_plugin
+import fairseq.data.data_utils_fast, fairseq.data.token_block_utils_fast" \
         || ! command -v fairseq-shard-measure-train >/dev/null; then
-        SUMMARY+=("fairseq, fairscale or the plugin not installed: parts 1 and 2 skipped")
+        SUMMARY+=("fairseq (with its extensions), fairscale or the plugin not importable: parts skipped")
         summary
     fi
 else
-    DUE=$((DUE + 140 + 25))  # the install's budget goes to the next steps
+    DUE=$((DUE + 30))  # the install's budget goes to the next steps
 fi
 step "nvidia-smi" 10 nvidia-smi --query-gpu=name,memory.total --format=csv
 
