@@ -33,6 +33,7 @@ def dtensor_shard(param: torch.nn.Parameter, grad: torch.Tensor) -> tuple[torch.
     return grad, None
 
 
+@torch.no_grad()  # (also: a DTensor's to_local() is then its local tensor, not a new view)
 def global_grad_norm(params: Iterable[torch.nn.Parameter], device: torch.device,
                      shard_of: GradientShard = dtensor_shard) -> torch.Tensor:
     """L2 norm of all gradients, as if unsharded: shards' squares summed across ranks once.
@@ -40,23 +41,42 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], device: torch.device,
     A shard held by several ranks (each replica of hybrid sharding) has its squares divided
     by their number before the all-reduce over all ranks, so each counts once. Gradients
     every rank holds whole are added after the all-reduce, so they count once too.
+    The norms are taken a group of tensors at a time (``torch._foreach_norm``, in fp32 as
+    fairseq's own clipping does), not parameter by parameter: a handful of operations per
+    step instead of three per parameter, which on a GPU are as many kernel launches.
     """
-    sharded = torch.zeros((), dtype=torch.float32, device=device)
-    replicated = torch.zeros((), dtype=torch.float32, device=device)
-    has_sharded = False
+    groups: dict[int | None, list[torch.Tensor]] = {}
     for param in params:
         if param.grad is None:
             continue
         local, copies = shard_of(param, param.grad)
-        squares = local.float().pow(2).sum().to(device)
+        groups.setdefault(copies, []).append(local)
+    sharded = torch.zeros((), dtype=torch.float32, device=device)
+    replicated = torch.zeros((), dtype=torch.float32, device=device)
+    has_sharded = False
+    for copies, tensors in groups.items():
+        squares = _sum_of_squares(tensors, device)
         if copies is None:
-            replicated += squares
+            replicated = replicated + squares
         else:
             has_sharded = True
-            sharded += squares / copies if copies > 1 else squares
+            sharded = sharded + (squares / copies if copies > 1 else squares)
     if has_sharded and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sharded)
     return (sharded + replicated).sqrt()
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of the squares of all elements of ``tensors`` (any devices and dtypes), in fp32
+    on ``device``: one fp32 norm per tensor, one foreach call per device and dtype."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for group in by_kind.values():
+        norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32))
+        total = total + norms.to(device).square().sum()
+    return total
 
 
 def max_over_ranks(device: torch.device) -> Callable[[torch.Tensor], None] | None:
