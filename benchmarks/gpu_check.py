@@ -1,26 +1,41 @@
 """GPU check on one CUDA device, at the NLLB-600M shape, in two parts (``gpu_check.sh``
 runs both, each under its own time budget).
 
-Part 1, ``trainings``: the plugin's FSDP2 and fairscale engines in fp16 against stock
-fairseq's own ``--ddp-backend fully_sharded`` (fairscale) path as shipped, same model, data
-and seed. The model is ``nllb_dense_600m``'s shape spelled out in fairseq's own flags
+Part 1, ``trainings``: speed in steady state. Stock fairseq's own ``--ddp-backend
+fully_sharded`` (fairscale) path as shipped, the plugin's default FSDP2 engine, the NLLB
+configs (16-bit state and memory features), the fairscale engine, each memory feature
+toggled alone on the default (activation checkpointing, chunked loss, 16-bit parameters,
+16-bit Adam moments, gathered vocabulary), and the default at 16,384 tokens (``RUNS``, in
+order of importance: the budget may end the list early); same model, data and seed, 40
+updates each. The model is ``nllb_dense_600m``'s shape spelled out in fairseq's own flags
 (12+12 layers, d 1024, ffn 4096, 16 heads, shared embeddings, pre-norm), so that stock
 fairseq, which does not know the plugin's architecture names, trains the same thing; the
 joined dictionary is padded to the NLLB vocabulary of 256,206 entries.
 
+Speed is words/s and ms per update over updates 11-40 (``steady_state``: the start times
+of the optimizer steps, which the launcher records after the device has finished its queued
+work, and fairseq's per-update ``wpb``), not an epoch summary that includes start-up; MFU is
+``model_flops_per_update`` per second against the device's dense fp16 peak. A profile of
+updates 32-34 (``fairseq_shard_plugin.cli.update_timing``) gives the device's busy time
+against the wall time per update, kernel launches per update and the top kernels. No CPU
+tensor meter runs in these processes: the first GPU run (2026-12-04) measured every row
+under ``LiveTensorMeter``, a dispatch mode that puts every aten operation through Python;
+on CPU it added 144 ms per update to stock and 166 ms to the plugin on a small model
+(``docs/gpu-check.md``), so those words/s were host-bound for every row.
+
 Every run is launched by ``launching.harness.run_training`` through
-``fairseq-shard-measure-train`` (it calls ``fairseq_cli.train.cli_main`` under the meters).
-The stock row's command has no ``--user-dir``, and the launcher activates the plugin only
-when ``--user-dir`` names it (importing the package installs nothing), so that process runs
+``fairseq-shard-measure-train`` (it calls ``fairseq_cli.train.cli_main``). The stock row's
+command has no ``--user-dir``, and the launcher activates the plugin only when
+``--user-dir`` names it (importing the package installs nothing), so that process runs
 stock fairseq: no plugin task, architecture or hook; it gets stock fairseq's own
 distributed flags for one rank (``STOCK_DISTRIBUTED``: fairscale needs a process group, which
 fairseq does not create at world size 1). Each row records its launcher and how
 many log lines came from the plugin's loggers (0 for stock, checked). CUDA's peaks are
 whole-run peaks: stock fairseq resets CUDA's peak statistics every update (and the plugin's
 step probe does too), and the launcher folds each step's peak into a running maximum
-before every reset. Next to them: the peak the plugin predicted before its first step (the
-estimator's constants were measured on CPU), the final loss and words/s. One device means
-world size 1: these runs compare the code paths and the memory features.
+before every reset. Next to them: the peak the plugin predicted before its first step and
+the final loss. One device means world size 1: these runs compare the code paths and the
+memory features.
 
 Part 2, ``memory``: the 600M memory table of ``benchmarks.memory`` measured with CUDA
 statistics, per rank at world size 2, on a fake process group in one process per
@@ -59,8 +74,8 @@ from launching.harness import REPO, run_training, training_args, transformer_arg
 GIB = 1024**3
 NLLB_VOCABULARY = 256_206  # fairseq's 4 special symbols included
 MODEL = transformer_args(dim=1024, ffn=4096, layers=12, heads=16)
-UPDATES = 30
-RUN_TIMEOUT = 90  # seconds at most per training run (fewer when the part's budget is short)
+RUN_TIMEOUT = 90  # seconds at most per training run (twice for 16,384 tokens; fewer when
+# the part's budget is short)
 MINIMUM_RUN = 20  # a run is not started with less time than this left
 # Stock fairseq at world size 1 runs its "single GPU main" without a process group, where
 # fairscale's FSDP (0.4.13: its reduce-scatter group) fails; these stock flags make it
@@ -68,29 +83,57 @@ MINIMUM_RUN = 20  # a run is not started with less time than this left
 STOCK_DISTRIBUTED = ["--distributed-world-size", "1", "--distributed-rank", "0",
                      "--distributed-init-method", "env://", "--distributed-no-spawn",
                      "--device-id", "0"]
+CHUNKED_LOSS = ["--criterion", "chunked_label_smoothed_cross_entropy",
+                "--loss-chunk-tokens", "1024"]
+# the NLLB configs' memory features (configs/nllb), beside their 16-bit state
+NLLB_FEATURES = [*CHUNKED_LOSS, "--checkpoint-activations", "--reduce-vocabulary-in-16-bit",
+                 "--keep-vocabulary-gathered"]
+PLUGIN_TASK = ["--task", "sharded_translation"]
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    plugin: bool
+    flags: list[str]
+    tokens: int = 4096
+
+
+# in order of importance: the budget may end the list early
 RUNS = [
-    ("stock fairseq fully_sharded (fairscale), fp16", False, ["--fp16", *STOCK_DISTRIBUTED]),
-    ("plugin fairscale engine, fp16", True,
-     ["--fp16", "--task", "sharded_translation", "--shard-engine", "fairscale"]),
-    ("plugin fsdp2, fp16", True, ["--fp16"]),
-    ("plugin fsdp2, the NLLB configs (16-bit state: --memory-efficient-fp16 "
-     "--fp16-adam-stats, the plugin's Adam on CUDA)", True,
-     ["--memory-efficient-fp16", "--fp16-adam-stats", "--task", "sharded_translation",
-      "--criterion", "chunked_label_smoothed_cross_entropy", "--loss-chunk-tokens", "512",
-      "--checkpoint-activations", "--reduce-vocabulary-in-16-bit",
-      "--keep-vocabulary-gathered"]),
-    ("plugin fsdp2, fp16, the NLLB configs' memory features", True,
-     ["--fp16", "--task", "sharded_translation", "--criterion",
-      "chunked_label_smoothed_cross_entropy", "--loss-chunk-tokens", "512",
-      "--checkpoint-activations", "--reduce-vocabulary-in-16-bit",
-      "--keep-vocabulary-gathered"]),
+    Run("stock fairseq fully_sharded (fairscale), fp16", False, ["--fp16", *STOCK_DISTRIBUTED]),
+    Run("plugin fsdp2 (the default), fp16", True, ["--fp16", *PLUGIN_TASK]),
+    Run("plugin fsdp2, the NLLB configs (16-bit state and memory features)", True,
+        ["--memory-efficient-fp16", "--fp16-adam-stats", *PLUGIN_TASK, *NLLB_FEATURES]),
+    Run("plugin fairscale engine, fp16", True,
+        ["--fp16", *PLUGIN_TASK, "--shard-engine", "fairscale"]),
+    Run("plugin fsdp2, fp16 + activation checkpointing", True,
+        ["--fp16", *PLUGIN_TASK, "--checkpoint-activations"]),
+    Run("plugin fsdp2, fp16 + chunked loss (1024 tokens)", True,
+        ["--fp16", *PLUGIN_TASK, *CHUNKED_LOSS]),
+    Run("plugin fsdp2, 16-bit parameters (--memory-efficient-fp16)", True,
+        ["--memory-efficient-fp16", *PLUGIN_TASK]),
+    Run("plugin fsdp2, fp16 + 16-bit Adam moments (--fp16-adam-stats)", True,
+        ["--fp16", "--fp16-adam-stats", *PLUGIN_TASK]),
+    Run("plugin fsdp2, fp16 + gathered vocabulary (--keep-vocabulary-gathered)", True,
+        ["--fp16", *PLUGIN_TASK, "--keep-vocabulary-gathered"]),
+    Run("plugin fsdp2 (the default), fp16, 16,384 tokens", True, ["--fp16", *PLUGIN_TASK],
+        tokens=16384),
 ]
+# steady state: the words and time of updates STEADY[0]..STEADY[1] (after a warm-up), and a
+# profile of three of them
+STEADY = (11, 40)
+PROFILED = (32, 34)
+# dense fp16/bf16 peak of the device, by name (the H200's and H100's tensor cores)
+PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12}
 TRAINING_COLUMNS = [
-    ("run", "run"), ("launcher", "launcher"), ("status", "status"),
-    ("CUDA peak allocated (GiB)", "cuda_peak_allocated_gib"),
-    ("CUDA peak reserved (GiB)", "cuda_peak_reserved_gib"),
+    ("run", "run"), ("status", "status"),
+    ("CUDA peak allocated / reserved (GiB)", "cuda_peak_gib"),
     ("predicted peak (GiB)", "predicted_peak_gib"), ("final loss", "final_loss"),
-    ("words/s", "words_per_second"),
+    ("steady words/s", "steady_words_per_second"), ("ms per update", "ms_per_update"),
+    ("vs stock", "vs_stock"), ("MFU", "mfu"),
+    ("device busy / wall (ms per update, profiled)", "busy_of_wall"),
+    ("kernel launches per update", "launches"),
 ]
 MEMORY_NAME = "gpu_memory_600m"
 # in order of importance: the budget may end the list early
@@ -154,12 +197,61 @@ class CommandSeen:
             self.command = [str(part) for part in ranks[0].args]
 
 
-def training_row(name: str, plugin: bool, run: harness.RunResult | None, launcher: str,
+def model_flops_per_update(words: float, sentences: float, layers: int = 12, dim: int = 1024,
+                           ffn: int = 4096, vocabulary: int = NLLB_VOCABULARY) -> float:
+    """Model FLOPs of one training update (forward and backward, 3x the forward; activation
+    checkpointing's recomputation not counted, as MFU's convention has it) of the encoder-
+    decoder transformer, for ``words`` target tokens in ``sentences`` sentences, source
+    sentences taken as long as the target ones (the synthetic corpus draws both alike).
+    Per token: 2 FLOPs per weight of every matrix it passes (encoder layers for source
+    tokens; decoder layers and the output projection for target tokens), and 4 x length x
+    dim per attention (scores and values) in each encoder self-, decoder self- and cross-
+    attention."""
+    length = words / max(sentences, 1.0)
+    encoder_weights = layers * (4 * dim * dim + 2 * dim * ffn)
+    decoder_weights = layers * (8 * dim * dim + 2 * dim * ffn) + dim * vocabulary
+    attention = 4 * length * dim * 3 * layers
+    forward = words * (2 * (encoder_weights + decoder_weights) + attention)
+    return 3 * forward
+
+
+def peak_flops() -> float | None:
+    """The device's dense fp16 peak (``PEAK_FLOPS``), None for an unlisted device or no GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
+
+
+def steady_state(run: harness.RunResult, window: tuple[int, int] = STEADY) -> dict:
+    """Words/s and ms per update over updates ``window`` (from fairseq's per-update ``wpb``
+    and ``bsz`` and the launcher's optimizer-step times), and the model FLOPs per second."""
+    starts = (run.memory[0] if run.memory else {}).get("update_starts") or []
+    logged = {int(float(entry["num_updates"])): entry for entry in run.logs["train_inner"]
+              if "num_updates" in entry}
+    first, last = window
+    if len(starts) < last or any(update not in logged for update in range(first, last + 1)):
+        return {}
+    # optimizer step u starts at starts[u - 1]: updates first..last lie between the steps
+    # of update first - 1 and update last (their forward and backward, and those steps)
+    seconds = starts[last - 1] - starts[first - 2]
+    updates = range(first, last + 1)
+    words = sum(float(logged[u]["wpb"]) for u in updates)
+    sentences = sum(float(logged[u]["bsz"]) for u in updates)
+    flops = model_flops_per_update(words, sentences)
+    return {"steady_words_per_second": round(words / seconds, 1),
+            "ms_per_update": round(1000 * seconds / len(updates), 1),
+            "model_flops_per_second": flops / seconds}
+
+
+def training_row(run_spec: Run, run: harness.RunResult | None, launcher: str,
                  seconds: float, timeout: float) -> dict:
+    name, plugin = run_spec.name, run_spec.plugin
     if run is None:
         return {"run": name, "launcher": launcher, "status": "not started: no time left",
-                **dict.fromkeys(("cuda_peak_allocated_gib", "cuda_peak_reserved_gib",
-                                 "predicted_peak_gib", "final_loss", "words_per_second"))}
+                "tokens": run_spec.tokens}
     memory = run.memory[0] if run.memory else {}
     plugin_lines = len(PLUGIN_LOG_LINE.findall(run.output))
     if run.returncode == 0:
@@ -171,21 +263,43 @@ def training_row(name: str, plugin: bool, run: harness.RunResult | None, launche
     if not plugin and plugin_lines:
         status += f"; NOT STOCK: {plugin_lines} plugin log lines"
     losses = run.series("train_inner", "loss")
-    speeds = run.series("train", "train_wps") or run.series("train_inner", "wps")
 
     def gib(key: str) -> float | None:
-        return round(memory[key] / GIB, 3) if key in memory else None
+        return round(memory[key] / GIB, 2) if key in memory else None
 
-    return {
+    profile = memory.get("profile") or {}
+    row = {
         "run": name, "launcher": launcher, "status": status, "returncode": run.returncode,
-        "seconds": round(seconds, 1), "plugin_log_lines": plugin_lines,
+        "tokens": run_spec.tokens, "seconds": round(seconds, 1),
+        "plugin_log_lines": plugin_lines,
         "cuda_peak_allocated_gib": gib("cuda_peak_allocated_bytes"),
         "cuda_peak_reserved_gib": gib("cuda_peak_reserved_bytes"),
         "predicted_peak_gib": predicted_peak_gib(run.output),
         "final_loss": losses[-1] if losses else None,
-        "words_per_second": speeds[-1] if speeds else None,
         "updates_logged": len(losses),
+        "epoch_words_per_second": (run.series("train", "train_wps") or [None])[-1],
+        "profile": profile or None,
+        **steady_state(run),
     }
+    if row["cuda_peak_allocated_gib"] is not None:
+        row["cuda_peak_gib"] = f"{row['cuda_peak_allocated_gib']} / {row['cuda_peak_reserved_gib']}"
+    if profile:
+        row["busy_of_wall"] = (f"{profile['device_busy_ms_per_update']:.0f} / "
+                               f"{profile['wall_ms_per_update']:.0f}")
+        row["launches"] = profile["kernel_launches_per_update"]
+    return row
+
+
+def finish_rows(rows: list[dict], peak: float | None) -> None:
+    """Speed relative to the stock row (at the same tokens), and MFU where the peak is known."""
+    stock = next((row.get("steady_words_per_second") for row in rows
+                  if not row.get("plugin", True) and row.get("steady_words_per_second")), None)
+    for row in rows:
+        wps = row.get("steady_words_per_second")
+        if wps and stock and row.get("tokens") == 4096:
+            row["vs_stock"] = round(wps / stock, 2)
+        if row.get("model_flops_per_second") and peak:
+            row["mfu"] = f"{100 * row['model_flops_per_second'] / peak:.1f}%"
 
 
 def trainings(budget: float, dry_run: bool) -> None:
@@ -196,47 +310,65 @@ def trainings(budget: float, dry_run: bool) -> None:
 
     if dry_run:
         work = Path(tempfile.mkdtemp(prefix="gpu_check_dry_"))
-        data = make_corpus(work / "data", vocab=200, train=200, valid=20, max_len=12)
+        data = make_corpus(work / "data", vocab=200, train=400, valid=20, max_len=12)
         pad_dictionary(data, 1000)
-        model, updates, tokens = transformer_args(dim=32, ffn=64, layers=1, heads=2), 2, 256
+        model, updates, window, profiled = (transformer_args(dim=32, ffn=64, layers=1, heads=2),
+                                            8, (4, 7), (5, 6))
     else:
         work = REPO / "demo_work" / "gpu_check"
         data = make_corpus(work, vocab=16000, train=20000, valid=200, max_len=60)
         pad_dictionary(data, NLLB_VOCABULARY)
-        model, updates, tokens = MODEL, UPDATES, 4096
+        model, updates, window, profiled = MODEL, STEADY[1], STEADY, PROFILED
+    peak = None if dry_run else peak_flops()
     note = ("Produced by `bash benchmarks/gpu_check.sh` on one GPU: the NLLB-600M shape (12+12 "
-            f"layers, d 1024, ffn 4096, vocabulary {NLLB_VOCABULARY:,}), {tokens} tokens per "
-            f"batch, {updates} updates, world size 1. Every run under "
-            "`fairseq-shard-measure-train`; CUDA peaks are the maxima over the whole run "
-            "(each per-update reset of CUDA's peak statistics, by stock fairseq and by the "
-            "plugin's step probe, is folded into a running maximum first).")
+            f"layers, d 1024, ffn 4096, vocabulary {NLLB_VOCABULARY:,}), world size 1, "
+            f"{updates} updates, 4,096 tokens per update unless named. Steady state: words/s "
+            f"and ms per update over updates {window[0]}-{window[1]} (the optimizer steps' "
+            "start times, after the device finished its queued work); MFU: model FLOPs "
+            "(`model_flops_per_update`) per second against the device's dense fp16 peak "
+            f"({'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOPS'}). Profile "
+            f"(`torch.profiler`) of updates {profiled[0]}-{profiled[1]}: the device's busy "
+            "time (union of kernel intervals) against the wall time per update, and kernel "
+            "launches per update; the top kernels are in `gpu_check.json`. No CPU tensor "
+            "meter runs (it would put every operation through Python); CUDA peaks are "
+            "maxima over the whole run.")
+    measure_options = ("--profile-updates", f"{profiled[0]}-{profiled[1]}")
     rows: list[dict] = []
-    for name, plugin, flags in RUNS:
+    for spec in RUNS:
         tag = f"run{len(rows)}"
-        args = training_args(data, work / tag, max_update=updates, max_tokens=tokens,
-                             cpu=dry_run) + model + flags + ["--no-save", "--disable-validation"]
+        args = training_args(data, work / tag, max_update=updates,
+                             max_tokens=256 if dry_run else spec.tokens, cpu=dry_run)
+        args += model + spec.flags + ["--no-save", "--disable-validation"]
         if dry_run:  # CPU: no fp16 compute, gloo
             args = [{"--memory-efficient-fp16": "--memory-efficient-bf16"}.get(arg, arg)
-                    for arg in args if arg != "--fp16"]
-            if not plugin:
+                    for arg in args if arg not in ("--fp16", "--fp16-adam-stats")]
+            if not spec.plugin:
                 args += ["--distributed-backend", "gloo"]
-        timeout = min(RUN_TIMEOUT, deadline.left())
+        timeout = min(RUN_TIMEOUT * (2 if spec.tokens > 4096 else 1), deadline.left())
         seen = CommandSeen()
         run, seconds = None, 0.0
         if timeout >= MINIMUM_RUN:
             start = time.monotonic()
             # cuda=True: stock fairseq runs under the measuring launcher itself (no
             # stock_launch.sh), with --ddp-backend fully_sharded and no --user-dir
-            run = run_training(args, nproc=1, plugin=plugin, measure_dir=work / tag / "memory",
-                               stock_backend="fully_sharded", cuda=True, timeout=timeout,
-                               check=False, watch=seen)
+            run = run_training(args, nproc=1, plugin=spec.plugin,
+                               measure_dir=work / tag / "memory", stock_backend="fully_sharded",
+                               cuda=True, timeout=timeout, check=False, watch=seen,
+                               measure_options=measure_options)
             seconds = time.monotonic() - start
         launcher = describe_launcher(seen.command) if seen.command else "not started"
-        rows.append(training_row(name, plugin, run, launcher, seconds, timeout))
+        rows.append({**training_row(spec, run, launcher, seconds, timeout),
+                     "plugin": spec.plugin})
+        if dry_run and run is not None:
+            rows[-1].update(steady_state(run, window))
         if run is not None and run.returncode != 0:
             (work / f"{tag}.log").write_text(run.output)
             rows[-1]["error_tail"] = run.output[-2000:]
-        print(f"gpu_check: {name}: {rows[-1]['status']} ({seconds:.0f} s)", flush=True)
+        print(f"gpu_check: {spec.name}: {rows[-1]['status']} ({seconds:.0f} s)", flush=True)
+        finish_rows(rows, peak)
+        for row in rows:
+            for _, key in TRAINING_COLUMNS:
+                row.setdefault(key, None)
         finished = sum(row["status"] == "ok" for row in rows)
         partial = ("" if len(rows) == len(RUNS) else
                    f" Partial: {len(rows)} of {len(RUNS)} runs so far.")

@@ -5,21 +5,24 @@
 # into .whl/, which the call carries.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
 # Two parts (benchmarks/gpu_check.py says what each measures and how):
-#   1. benchmarks/results/gpu_check.{md,json}: five trainings at the NLLB-600M shape, world
-#      size 1: stock fairseq's fairscale path as shipped (launched with no --user-dir, so no
-#      plugin hook is installed in that process), the plugin's two engines, the NLLB
-#      configs (16-bit state), their memory features with fp32 masters (if time is left);
-#      CUDA peak allocated and reserved over the whole run, and the launcher of each row;
+#   1. benchmarks/results/gpu_check.{md,json}: speed in steady state at the NLLB-600M shape,
+#      world size 1, 40 updates each: stock fairseq's fairscale path as shipped (launched
+#      with no --user-dir, so no plugin hook is installed in that process), the plugin's
+#      default engine, the NLLB configs, the fairscale engine, each memory feature alone,
+#      and 16,384 tokens; words/s and ms per update over updates 11-40, MFU, a profile of
+#      updates 32-34 (device busy against wall time, kernel launches, top kernels), CUDA
+#      peak allocated and reserved, and the launcher of each row;
 #   2. benchmarks/results/gpu_memory_600m.{md,json,png}: the 600M table (README,
 #      docs/memory.md) measured with CUDA statistics, per rank at world size 2 (fake process
 #      group, one device; fairseq's CUDA gradient-norm consistency check is off there, as
-#      on CPU: a fake group cannot pass it).
+#      on CPU: a fake group cannot pass it). Verified on 2026-12-04: it runs only with the
+#      seconds part 1 leaves.
 # Time budget, 480 s in all (the call's 540 s less a margin). Each step must end by the sum
 # of its budget and those before it, so seconds an earlier step leaves go to the next ones:
 #   pip install of .whl/ (wheels only, nothing compiles)                      30 s
 #   nvidia-smi                                                                 10 s
-#   part 1, trainings (at most 90 s each; the fifth if time is left)          185 s
-#   part 2, configurations (at most 60 s each; the list may end early)      120 s
+#   part 1, trainings (at most 90 s each, in order of importance)            440 s
+#   part 2, configurations (only the seconds the steps before leave)           0 s
 # Each part writes its results after every run, and they are copied to $OUT (if set) when
 # the part ends, so a timeout keeps what finished. The script exits 0 with a summary of
 # what ran, whatever a step's outcome (2 only when it cannot start: no fairseq, no .whl/).
@@ -91,7 +94,7 @@ part() {
     step "$name" "$budget" python3 -m benchmarks.gpu_check "$@" --budget "$((left > 0 ? left : 0))"
     keep "$results"
 }
-part "part 1, trainings (benchmarks/results/gpu_check.*)" 185 gpu_check trainings
-part "part 2, 600M memory table (benchmarks/results/gpu_memory_600m.*)" 120 \
+part "part 1, steady-state speed (benchmarks/results/gpu_check.*)" 440 gpu_check trainings
+part "part 2, 600M memory table (benchmarks/results/gpu_memory_600m.*)" 0 \
     gpu_memory_600m memory
 summary

@@ -123,6 +123,7 @@ def run_training(
     stock_backend: str = "legacy_ddp",
     cuda: bool = False,
     watch: Watcher | None = None,
+    measure_options: tuple[str, ...] = (),
 ) -> RunResult:
     """Train on ``nproc`` ranks: the plugin with fully_sharded, or stock fairseq.
 
@@ -131,12 +132,14 @@ def run_training(
     the plugin, with ``--ddp-backend stock_backend`` (e.g. ``fully_sharded``, fairseq's own
     fairscale path).
 
-    With ``measure_dir`` every rank runs under ``fairseq-shard-measure-train`` and its
-    whole-process peak of live tensor bytes is returned in ``RunResult.memory``.
+    With ``measure_dir`` every rank runs under ``fairseq-shard-measure-train`` (with
+    ``measure_options``) and what it measured (the whole-process peak of live tensor bytes,
+    update times, ...) is returned in ``RunResult.memory``.
     """
     env = rank_environment()
     measure = (
-        ["--measure-out", str(measure_dir / "rank{rank}.json")] if measure_dir else []
+        ["--measure-out", str(measure_dir / "rank{rank}.json"), *measure_options]
+        if measure_dir else []
     )
     entry = [tool("fairseq-shard-measure-train"), *measure] if measure_dir else [
         tool("fairseq-train")]

@@ -1,11 +1,14 @@
-"""``fairseq-shard-measure-train``: run ``fairseq-train`` under the live-tensor meter.
+"""``fairseq-shard-measure-train``: run ``fairseq-train`` under the meters.
 
 Measures any fairseq training, with or without the plugin, the same way: the peak of live
-CPU tensor bytes over the whole process (model construction, training, validation), and
-the peak resident set size; on a GPU also CUDA's peak allocated and reserved bytes. Each
-rank writes ``{"rank", "peak_bytes", "peak_rss_bytes"[, "cuda_peak_allocated_bytes",
-"cuda_peak_reserved_bytes"]}`` as JSON to the ``--measure-out`` path, where ``{rank}`` is
-replaced by torchrun's rank.
+CPU tensor bytes over the whole process (model construction, training, validation; the
+live-tensor meter, on CPU runs only unless ``--tensor-meter``: it puts every operation
+through Python), the peak resident set size, when each update's optimizer step began
+(``update_starts``, for steady-state speed), on a GPU CUDA's peak allocated and reserved
+bytes, and with ``--profile-updates FIRST-LAST`` a profile of those updates
+(``update_timing``). Each rank writes ``{"rank", "peak_bytes", "peak_rss_bytes",
+"update_starts"[, "profile"][, "cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes"]}``
+as JSON to the ``--measure-out`` path, where ``{rank}`` is replaced by torchrun's rank.
 
 CUDA's peaks are whole-process peaks too: stock fairseq's ``Trainer.train_step`` resets
 CUDA's peak statistics every update (for its ``gb_free`` metric), and so does the plugin's
@@ -27,9 +30,13 @@ from typing import Any
 
 import torch
 
+from fairseq_shard_plugin.cli.update_timing import UpdateClock, UpdateProfile, at_every_update
 from fairseq_shard_plugin.memory.meters import LiveTensorMeter, peak_rss_bytes
 
-USAGE = "usage: fairseq-shard-measure-train --measure-out PATH_WITH_{rank}.json FAIRSEQ_ARGS..."
+USAGE = ("usage: fairseq-shard-measure-train --measure-out PATH_WITH_{rank}.json "
+         "[--tensor-meter | --no-tensor-meter] [--profile-updates FIRST-LAST] FAIRSEQ_ARGS...")
+# this script's own options after --measure-out, and whether each takes a value
+OPTIONS = {"--tensor-meter": False, "--no-tensor-meter": False, "--profile-updates": True}
 
 
 class PeaksAcrossResets:
@@ -83,29 +90,72 @@ def _names_the_plugin_as_user_dir(fairseq_args: list[str]) -> bool:
     return False
 
 
-def main() -> None:
-    argv = sys.argv[1:]
+def _own_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """This script's options (``--measure-out`` first, then any of ``OPTIONS``), and the
+    fairseq arguments after them."""
     if len(argv) < 2 or argv[0] != "--measure-out":
         sys.exit(USAGE)
+    options = {"--measure-out": argv[1]}
+    rest = argv[2:]
+    while rest and rest[0] in OPTIONS:
+        if OPTIONS[rest[0]]:
+            if len(rest) < 2:
+                sys.exit(USAGE)
+            options[rest[0]], rest = rest[1], rest[2:]
+        else:
+            options[rest[0]], rest = "", rest[1:]
+    return options, rest
+
+
+def _tensor_meter_wanted(options: dict[str, str], fairseq_args: list[str]) -> bool:
+    """The live-tensor meter measures CPU tensors by putting every operation through Python
+    (a dispatch mode): on by default for CPU runs, off on a GPU, where it would slow every
+    update down (issue 28) and CUDA's own statistics measure the device."""
+    if "--tensor-meter" in options:
+        return True
+    if "--no-tensor-meter" in options:
+        return False
+    return "--cpu" in fairseq_args or not torch.cuda.is_available()
+
+
+def _profile_range(text: str) -> tuple[int, int]:
+    first, _, last = text.partition("-")
+    try:
+        return int(first), int(last or first)
+    except ValueError:
+        sys.exit(f"fairseq-shard-measure-train: --profile-updates {text}: give FIRST-LAST")
+
+
+def main() -> None:
+    options, fairseq_args = _own_options(sys.argv[1:])
     rank = int(os.environ.get("RANK", "0"))
-    out = Path(argv[1].replace("{rank}", str(rank)))
-    sys.argv = ["fairseq-train", *argv[2:]]
-    if _names_the_plugin_as_user_dir(argv[2:]):
+    out = Path(options["--measure-out"].replace("{rank}", str(rank)))
+    sys.argv = ["fairseq-train", *fairseq_args]
+    if _names_the_plugin_as_user_dir(fairseq_args):
         # this module imported the package already, so fairseq would skip its user dir
         import fairseq_shard_plugin
 
         fairseq_shard_plugin.activate()
     from fairseq_cli.train import cli_main
 
-    meter = LiveTensorMeter()
+    meter = LiveTensorMeter() if _tensor_meter_wanted(options, fairseq_args) else None
+    clock = UpdateClock()
+    profile = (UpdateProfile(*_profile_range(options["--profile-updates"]))
+               if "--profile-updates" in options else None)
+    hook = at_every_update(clock, *([profile] if profile else []))
     with cuda_peaks_across_resets() as cuda_peaks:
         try:
-            with meter:
+            with meter if meter is not None else contextlib.nullcontext():
                 cli_main()
         finally:
+            hook.remove()
+            if profile is not None:
+                profile.finish()
             out.parent.mkdir(parents=True, exist_ok=True)
-            record = {"rank": rank, "peak_bytes": meter.peak_bytes,
-                      "peak_rss_bytes": peak_rss_bytes()}
+            record = {"rank": rank, "peak_bytes": meter.peak_bytes if meter else None,
+                      "peak_rss_bytes": peak_rss_bytes(), "update_starts": clock.starts}
+            if profile is not None:
+                record["profile"] = profile.summary
             if cuda_peaks is not None:
                 maxima = cuda_peaks.fold()
                 record["cuda_peak_allocated_bytes"] = maxima["allocated"]
