@@ -26,3 +26,31 @@ def test_operations_per_update_stay_within_1_3x_of_stock(corpus: Path, tmp_path:
     ours, stock = rows["plugin fsdp2"]["by_op"], rows["stock legacy_ddp"]["by_op"]
     assert ours.get("aten.pow.Tensor_Scalar", 0) < 10 < stock.get(
         "aten.linalg_vector_norm.default", 0)
+
+
+def test_the_gpu_checks_steady_state_and_profile_come_from_a_real_run(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """fairseq-shard-measure-train records when each update's optimizer step began and
+    profiles the updates asked for; the GPU check's steady-state figures come from them."""
+    from benchmarks.gpu_check import model_flops_per_update, steady_state
+    from launching.harness import run_training, training_args, transformer_args
+
+    args = training_args(corpus, tmp_path / "save", max_update=8, max_tokens=256)
+    args += transformer_args(dim=32, ffn=64, layers=1, heads=2) + [
+        "--no-save", "--disable-validation", "--task", "sharded_translation"]
+    run = run_training(args, nproc=1, plugin=True, measure_dir=tmp_path / "measured",
+                       measure_options=("--profile-updates", "5-6"))
+    record = run.memory[0]
+    assert len(record["update_starts"]) == 8
+    assert record["update_starts"] == sorted(record["update_starts"])
+    assert record["profile"]["updates"] == 2
+    assert record["profile"]["aten_calls_per_update"] > 100
+    assert record["peak_bytes"] > 0  # a CPU run keeps the live-tensor meter
+    steady = steady_state(run, (4, 7))
+    words = sum(run.series("train_inner", "wpb")[3:7])
+    seconds = record["update_starts"][6] - record["update_starts"][2]
+    assert steady["steady_words_per_second"] == pytest.approx(words / seconds, rel=1e-3)
+    # 6 FLOPs per weight and token dominate: 600M-shaped, 4096 tokens of 30-token sentences
+    flops = model_flops_per_update(4096, 4096 / 30)
+    assert 6 * 615e6 * 4096 * 0.9 < flops < 6 * 615e6 * 4096 * 1.3
