@@ -8,6 +8,7 @@ No ``from __future__ import annotations`` here: fairseq reads the field types at
 
 
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any, Optional
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
@@ -153,6 +154,8 @@ def sharding_options(task_cfg: Any) -> "ShardingConfig":
     values = {}
     for option in fields(ShardingConfig):
         value = getattr(task_cfg, option.name, None) if task_cfg is not None else None
+        if isinstance(value, Enum):  # a choice from a Hydra config: fairseq's enum member
+            value = value.value
         if value is not None:
             values[option.name] = value
     return ShardingConfig(**values)
@@ -162,7 +165,8 @@ def options_given(task_cfg: Any) -> list[str]:
     """The sharding options set to other than their defaults, as flags."""
     given, defaults = sharding_options(task_cfg), ShardingConfig()
     return ["--" + option.name.replace("_", "-") for option in fields(ShardingConfig)
-            if getattr(given, option.name) != getattr(defaults, option.name)]
+            if not option.name.startswith("_")
+            and getattr(given, option.name) != getattr(defaults, option.name)]
 
 
 def add_sharding_args(parser: Any) -> None:
