@@ -317,6 +317,27 @@ def test_export_at_end_of_training_is_a_standard_inference_checkpoint(
     translations(corpus, export_path)
 
 
+def test_stock_fairseq_without_the_plugin_reads_the_export(
+    corpus: Path, uninterrupted: tuple[RunResult, Path]
+) -> None:
+    """Users hand exports to stock tools: stock fairseq-generate, in a process that never
+    imports the plugin (no --user-dir), on torch's default weights_only loading, translates
+    the export exactly as fairseq-generate with the plugin does."""
+    export_path = uninterrupted[1] / "export" / "model.pt"
+    stock = [part for part in generate_command(corpus, export_path)
+             if part not in ("--user-dir", str(PLUGIN_DIR))]
+    probe = (f"import sys, torch; state = torch.load({str(export_path)!r}); "
+             "print(state['cfg']['task']['_name'], state['cfg']['model']['_name']); "
+             "assert 'fairseq_shard_plugin' not in sys.modules")
+    finished = run_concurrently({"stock": stock,
+                                 "plugin": generate_command(corpus, export_path),
+                                 "load": [sys.executable, "-c", probe]})
+    assert finished["load"].returncode == 0, finished["load"].stderr[-2000:]
+    assert finished["load"].stdout.split() == ["translation", "transformer"]
+    assert "fairseq_shard_plugin" not in finished["stock"].stderr
+    assert hypotheses(finished["stock"]) == hypotheses(finished["plugin"])
+
+
 def test_consolidate_command_writes_16_bit_weights_that_from_pretrained_loads(
     corpus: Path, uninterrupted: tuple[RunResult, Path], tmp_path: Path
 ) -> None:

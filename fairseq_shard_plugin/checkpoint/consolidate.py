@@ -4,8 +4,8 @@ Reads a training checkpoint of a sharded run (a save dir, meaning its
 ``checkpoint_last.pt``, or a checkpoint file; full or ``--checkpoint-format sharded``),
 drops the optimizer state and writes the full model weights, optionally cast to
 fp16/bf16, as an ordinary fairseq checkpoint that ``fairseq-generate --path`` and
-``TransformerModel.from_pretrained`` load (with the plugin as ``--user-dir``, which allows
-the checkpoint's config types under ``weights_only``).
+``TransformerModel.from_pretrained`` load, stock fairseq's included, without the plugin: its
+config is made of plain containers and stock names (``portable``).
 
 :func:`export_consolidated` streams: it reads the checkpoint's pickle only (tensors as
 ``meta``), then writes each model tensor in turn, read from the full file or from the
@@ -29,6 +29,7 @@ from fairseq_shard_plugin.checkpoint.atomic_files import (
 )
 from fairseq_shard_plugin.checkpoint.errors import describe_unreadable
 from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
+from fairseq_shard_plugin.checkpoint.portable import portable_state
 from fairseq_shard_plugin.checkpoint.reading import (
     NotACheckpointError,
     checkpoint_format,
@@ -191,6 +192,7 @@ def export_consolidated(
             exported, plan = _inference_plan(path, state, dtype)
         except (ShardedCheckpointError, StoredTensorError) as error:
             raise ConsolidateError(str(error)) from error
+    exported = portable_state(exported)
     destination = Path(destination)
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)

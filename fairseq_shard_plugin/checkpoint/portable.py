@@ -1,0 +1,96 @@
+"""An exported checkpoint that stock fairseq reads on its own, without the plugin.
+
+Since torch 2.6 ``torch.load`` reads with ``weights_only=True``, which refuses the
+``argparse.Namespace`` fairseq keeps as the model's config and the numpy arrays of its saved
+metrics: stock ``fairseq-generate`` cannot read fairseq's own checkpoints. A checkpoint
+written by the plugin also names the plugin's task, criterion and architectures, which a
+process without ``--user-dir`` does not know. :func:`portable_state` turns the config of an
+inference export into plain containers and stock names, so that any fairseq, and
+``torch.load(weights_only=True)`` alone, reads it:
+
+- every ``argparse.Namespace`` becomes a dict of its values (fairseq builds the model from
+  either), numpy values become Python numbers and lists;
+- ``sharded_translation`` becomes ``translation``, the sharded multilingual task
+  ``translation_multi_simple_epoch``, the chunked criterion ``label_smoothed_cross_entropy``,
+  the NLLB architecture names ``transformer`` (the config holds every value they set), and
+  the plugin's own options and ``common.user_dir`` are dropped;
+- the saved metrics (training meters, with numpy arrays under ``--eval-bleu``) are dropped:
+  inference needs none of them.
+
+Tensors are left as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from fairseq_shard_plugin.sharding.options import ShardingConfig
+
+# the plugin's tasks (tasks.sharded_translation, tasks.multilingual_config.TASK_NAME)
+STOCK_TASKS = {"sharded_translation": "translation",
+               "sharded_translation_multi_simple_epoch": "translation_multi_simple_epoch"}
+STOCK_CRITERIA = {"chunked_label_smoothed_cross_entropy": "label_smoothed_cross_entropy"}
+# architectures the plugin registers (tasks.nllb_architectures): transformers by stock name
+PLUGIN_ARCHITECTURES = ("nllb_dense_600m", "nllb_dense_1_3b", "nllb_dense_3_3b",
+                        "transformer_12_12", "transformer_24_24", "transformer_24_24_big")
+# the plugin's options (task or model config) and the chunked criterion's own
+PLUGIN_KEYS = frozenset({f.name for f in dataclasses.fields(ShardingConfig)
+                         if not f.name.startswith("_")} | {"loss_chunk_tokens"})
+
+
+def plain(value: Any) -> Any:
+    """``value`` with Namespaces as dicts and numpy values as Python ones, recursively."""
+    if isinstance(value, argparse.Namespace):
+        value = vars(value)
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(item) for item in value)
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    return value
+
+
+def _stock_names(section: dict[str, Any] | None, names: dict[str, str],
+                 *keys: str) -> dict[str, Any] | None:
+    if not isinstance(section, dict):
+        return section
+    section = {k: v for k, v in section.items() if k not in PLUGIN_KEYS}
+    for key in keys:
+        if section.get(key) in names:
+            section[key] = names[section[key]]
+    return section
+
+
+def portable_state(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (an inference checkpoint's, tensors untouched) as stock fairseq reads it."""
+    state = dict(state)
+    cfg = state.get("cfg")
+    if cfg is None and isinstance(state.get("args"), argparse.Namespace):  # before fairseq 0.10
+        from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.to_container(convert_namespace_to_omegaconf(state["args"]))
+    cfg = plain(cfg)
+    if isinstance(cfg, dict):
+        state["args"] = None  # fairseq reads the config from cfg when it is there
+        architectures = dict.fromkeys(PLUGIN_ARCHITECTURES, "transformer")
+        cfg["task"] = _stock_names(cfg.get("task"), STOCK_TASKS, "_name")
+        cfg["criterion"] = _stock_names(cfg.get("criterion"), STOCK_CRITERIA, "_name")
+        cfg["model"] = _stock_names(cfg.get("model"), {**architectures, **STOCK_TASKS,
+                                                       **STOCK_CRITERIA},
+                                    "_name", "arch", "task", "criterion")
+        if isinstance(cfg.get("common"), dict):
+            cfg["common"] = dict(cfg["common"], user_dir=None)
+        state["cfg"] = cfg
+    extra = state.get("extra_state")
+    if isinstance(extra, dict):
+        state["extra_state"] = plain({k: v for k, v in extra.items() if k != "metrics"})
+    for key in ("optimizer_history", "task_state"):
+        if key in state:
+            state[key] = plain(state[key])
+    return state
