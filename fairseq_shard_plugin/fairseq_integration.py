@@ -61,7 +61,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    full tensors read in one process otherwise. While the trainer loads, a full checkpoint
    written without the plugin also has its optimizer entry relabelled for the sharded
    optimizer when its state fits (fairseq's Trainer asserts the class names match and has
-   no hook in between; ``stock_optimizer_state``). Other loads pass through unchanged.
+   no hook in between; ``stock_optimizer_state``). Every load also gets ``langs`` as a
+   list where an earlier version saved the ``--langs`` file's path (the nllb branch's
+   loader refuses the string). Other loads pass through unchanged.
    fairseq 0.12 reads the file through an open file object (``torch.load(f)``), which
    copies the whole checkpoint into each process's own memory: N ranks of a host held N
    copies of released weights. While the wrapper runs fairseq's function, the ``torch``
@@ -135,6 +137,7 @@ from fairseq.file_io import PathManager
 
 from fairseq_shard_plugin.checkpoint.atomic_files import WriteError, copy_atomically
 from fairseq_shard_plugin.checkpoint.errors import save_failure
+from fairseq_shard_plugin.checkpoint.portable import languages_as_lists
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.memory.metrics import MaxMeter
@@ -407,6 +410,7 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
         with _checkpoints_mapped():
             state = stock_load(path, arg_overrides, load_on_all_ranks,
                                **kwargs)  # nllb: is_moe
+        state = languages_as_lists(state)  # a --langs path, as earlier versions saved it
         loader = active_trainer_loader()
         if loader is not None:
             return loader(path, state)

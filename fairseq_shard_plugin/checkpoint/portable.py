@@ -15,7 +15,9 @@ inference export into plain containers and stock names, so that any fairseq, and
   the NLLB architecture names ``transformer`` (the config holds every value they set), and
   the plugin's own options and ``common.user_dir`` are dropped;
 - the saved metrics (training meters, with numpy arrays under ``--eval-bleu``) are dropped:
-  inference needs none of them.
+  inference needs none of them;
+- ``langs`` is the list of codes, not the ``--langs`` file's path
+  (:func:`languages_as_lists`, which every save and load of the plugin applies too).
 
 Tensors are left as they are.
 """
@@ -24,9 +26,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import re
 from typing import Any
 
 import numpy as np
+from omegaconf import DictConfig, open_dict
 
 from fairseq_shard_plugin.sharding.options import ShardingConfig
 
@@ -66,9 +71,38 @@ def _stock_names(section: dict[str, Any] | None, names: dict[str, str],
     return section
 
 
+def languages_as_lists(state: Any) -> Any:
+    """A checkpoint's ``cfg.task.langs`` and ``cfg.model.langs`` as lists of codes, as stock
+    fairseq stores them, where they hold a ``--langs`` file's path or a comma-separated
+    string (earlier versions of the plugin stored the path): the nllb branch's loader
+    compares the lists and refuses a string. A path to a file that is gone stays as it is.
+    Works on a saved state (dicts and a Namespace) and on a loaded one (omegaconf)."""
+    cfg = state.get("cfg") if isinstance(state, dict) else None
+    if cfg is None:
+        return state
+    for key in ("task", "model"):
+        section = cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
+        langs = (section.get("langs") if isinstance(section, dict)
+                 else getattr(section, "langs", None))
+        if not isinstance(langs, str) or ("," not in langs and not os.path.isfile(langs)):
+            continue
+        if os.path.isfile(langs):
+            with open(langs) as text:
+                langs = text.read()
+        codes = [code for code in re.split(r"[,\s]+", langs) if code]
+        if isinstance(section, dict):
+            section["langs"] = codes
+        elif isinstance(section, DictConfig):
+            with open_dict(section):
+                section.langs = codes
+        else:  # argparse.Namespace
+            section.langs = codes
+    return state
+
+
 def portable_state(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` (an inference checkpoint's, tensors untouched) as stock fairseq reads it."""
-    state = dict(state)
+    state = languages_as_lists(dict(state))
     cfg = state.get("cfg")
     if cfg is None and isinstance(state.get("args"), argparse.Namespace):  # before fairseq 0.10
         from fairseq.dataclass.utils import convert_namespace_to_omegaconf

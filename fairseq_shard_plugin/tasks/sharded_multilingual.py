@@ -15,6 +15,7 @@ from typing import Any
 from fairseq.file_io import PathManager
 from fairseq.tasks import register_task
 from fairseq.tasks.translation_multi_simple_epoch import TranslationMultiSimpleEpochTask
+from omegaconf import DictConfig, open_dict
 
 from fairseq_shard_plugin.sharding.options import add_sharding_args
 from fairseq_shard_plugin.tasks.multilingual_config import (
@@ -81,6 +82,9 @@ class ShardedTranslationMultiSimpleEpochTask(TranslationMultiSimpleEpochTask):
     @classmethod
     def setup_task(cls, cfg: Any, **kwargs: Any) -> "ShardedTranslationMultiSimpleEpochTask":
         namespace = read_language_files(task_namespace(cfg))
+        if isinstance(namespace.langs, list) and isinstance(cfg, DictConfig):
+            with open_dict(cfg):  # saved with the checkpoint: the list, as stock stores it
+                cfg.langs = list(namespace.langs)
         try:
             return super().setup_task(namespace, **kwargs)
         except ValueError as error:  # the parent's checks of its options, e.g. no --lang-pairs
