@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from launching.harness import (
     PLUGIN_DIR,
@@ -194,3 +195,8 @@ def test_16_bit_state_is_8_bytes_per_parameter_and_reloads_on_three_ranks(
     assert report["moment_dtypes"] == ["torch.float16"]
     assert report["masters_equal"] and report["optimizer_equal"]
     assert report["state_bytes_per_parameter"] == pytest.approx(6.0, abs=0.01)
+    # the tied embedding and output projection, widened to fp32, are stored once
+    saved = torch.load(checkpoint, weights_only=True)["model"]
+    tied = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+            "decoder.output_projection.weight")
+    assert len({saved[name].untyped_storage().data_ptr() for name in tied}) == 1

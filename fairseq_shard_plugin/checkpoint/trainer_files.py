@@ -47,13 +47,29 @@ def save_full_checkpoint(
     """
     path = os.path.abspath(filename)
     logger.info(f"Saving checkpoint to {path}")
-    state = utils.move_to_cpu(trainer.state_dict(filename, training_finished))
+    state = _on_cpu_once(trainer.state_dict(filename, training_finished))
     state["extra_state"].update(extra_state)
     for leftover in remove_partial_files(os.path.dirname(path)):
         logger.warning(f"removed {leftover}, left by a save that was interrupted")
     write_atomically(path, lambda out: torch.save(state, out))
     logger.info(f"Finished saving checkpoint to {path}")
     return path
+
+
+def _on_cpu_once(state: dict[str, Any]) -> dict[str, Any]:
+    """fairseq's ``utils.move_to_cpu`` (16-bit tensors widened to fp32), except that a tensor
+    found under several names (a tied embedding and output projection) is moved and widened
+    once, so the checkpoint stores it once: fairseq's own widens each name separately."""
+    moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in moved:  # the tensor is kept too, so that its id stays its own
+            widened = (tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16)
+                       else tensor)
+            moved[id(tensor)] = (tensor, widened.cpu())
+        return moved[id(tensor)][1]
+
+    return utils.apply_to_sample(move, state)
 
 
 def checkpoint_state(trainer: Any, stock_state: Callable[[], dict[str, Any]]) -> dict[str, Any]:
