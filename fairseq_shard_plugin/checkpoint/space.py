@@ -21,11 +21,19 @@ COPIES_PER_SAVE = {"full": 3, "sharded": 1}
 
 
 def full_state_bytes(
-    params_and_states: Iterable[tuple[torch.Tensor, torch.Tensor, dict]], shard_group: int
+    params_and_states: Iterable[tuple[torch.Tensor, torch.Tensor, dict]], shard_group: int,
+    widened: bool = False,
 ) -> int:
     """Bytes of the unsharded parameters and optimizer state, from (parameter, the local
     tensor the optimizer updates, its optimizer state) triples; a parameter that is not a
-    DTensor (fairscale's flat shards) counts as ``shard_group`` times its local size."""
+    DTensor (fairscale's flat shards) counts as ``shard_group`` times its local size.
+    ``widened``: 16-bit tensors count 4 bytes an element, as a full checkpoint stores them
+    (fairseq writes every 16-bit tensor as fp32); sharded ones keep their size."""
+
+    def size(tensor: torch.Tensor) -> int:
+        sixteen = tensor.dtype in (torch.float16, torch.bfloat16)
+        return tensor.numel() * (4 if widened and sixteen else tensor.element_size())
+
     total = 0
     for param, local, state in params_and_states:
         if isinstance(param, DTensor):
@@ -34,7 +42,7 @@ def full_state_bytes(
             factor = shard_group
         tensors = [local, *(v for v in state.values()
                             if isinstance(v, torch.Tensor) and v.numel() == local.numel())]
-        total += int(sum(t.numel() * t.element_size() for t in tensors) * factor)
+        total += int(sum(size(t) for t in tensors) * factor)
     return total
 
 

@@ -394,9 +394,11 @@ class ShardedTrainer(Trainer):
                    for param, local in zip(optimizer.shards.params, optimizer.shards.locals,
                                            strict=True))
         try:
+            saved_as = checkpoint_format(self.cfg)
             line, too_little = space_report(
-                checkpoint.save_dir, full_state_bytes(triples, self.shard_group_size),
-                checkpoint_format(self.cfg))
+                checkpoint.save_dir,
+                full_state_bytes(triples, self.shard_group_size, widened=saved_as == "full"),
+                saved_as)
         except OSError as error:  # a notice only: never a reason to stop training
             logger.info(f"free space of {checkpoint.save_dir} unknown: {error}")
             return
