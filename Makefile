@@ -35,7 +35,7 @@ $(BENCH_STAMP): $(STAMP)
 demo: $(BENCH_STAMP)
 	$(PY) -m benchmarks.demo
 
-# Per-rank memory breakdown at the NLLB-600M shape (about 25 minutes and 20 GiB on 2 cores).
+# Per-rank memory breakdown at the NLLB-600M shape (about 12 minutes and 20 GiB on 2 cores).
 memory: $(BENCH_STAMP)
 	$(PY) -m benchmarks.memory
 
