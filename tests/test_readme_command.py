@@ -78,3 +78,21 @@ def test_console_scripts_print_only_their_own_output(corpus: Path, tmp_path: Pat
         f"fairseq-shard-consolidate: error: {checkpoint}: not a PyTorch checkpoint: the file "
         "starts with bytes 6e6f7420, neither a zip archive (torch.save since torch 1.6) nor "
         "the legacy pickle format")
+
+
+def test_the_readmes_walkthrough_runs_from_data_to_translations(tmp_path: Path) -> None:
+    """README's "From data to translations" block, as it stands, its toy/ directory moved
+    into a temporary one: data, training on 2 CPU ranks, verify, consolidate, and stock
+    fairseq-generate on the export (no --user-dir) printing its BLEU line."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("## From data to translations, on a CPU", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    script = re.sub(r"\btoy\b", str(tmp_path / "toy"), block)
+    done = run_command(["bash", "-c", "set -eo pipefail\n" + script], cwd=REPO,
+                       env=rank_environment(), timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "--user-dir" not in block.split("fairseq-generate", 1)[1]
+    assert f"{tmp_path / 'toy' / 'checkpoints' / 'checkpoint_last.pt'}: ok (full" in done.stdout
+    assert (tmp_path / "toy" / "model.pt").is_file()
+    assert done.stdout.strip().splitlines()[-1].startswith("Generate test with beam=2: BLEU4 = ")
