@@ -192,3 +192,16 @@ def test_a_damaged_checkpoint_at_the_end_of_training_export_ends_in_one_line(
     assert last.startswith(f"fairseq-shard-plugin: error: {tmp_path}/checkpoint_last.pt: "), last
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "model.pt").exists()
+
+
+def test_an_unsupported_optimizer_is_named_before_the_precision_it_came_with(
+    corpus: Path,
+) -> None:
+    """``--optimizer adam8bit`` (nllb branch) with --memory-efficient-fp16: the refusal names
+    adam8bit itself, not a precision flag that would lead to the same refusal next."""
+    cfg = sharded_config(corpus, "--cpu", "--optimizer", "adam", "--memory-efficient-fp16")
+    cfg.optimizer._name = "adam8bit"  # the branch's optimizer, as its parser sets it
+    with pytest.raises(ShardingConfigError) as refused:
+        check_sharded_config(cfg)
+    assert str(refused.value).startswith("--optimizer adam8bit is not supported")
+    assert "use --optimizer adam" in str(refused.value)

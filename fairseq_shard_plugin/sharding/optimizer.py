@@ -36,6 +36,11 @@ from fairseq_shard_plugin.sharding.sharded_adam import MaxOverRanks, ShardedAdam
 logger = logging.getLogger(__name__)
 
 
+# fairseq says these cannot step one flat tensor, but their state is per element (Adagrad's
+# sum of squared gradients): a shard's update is the unsharded update of its elements
+ELEMENT_WISE_WITHOUT_FLAT_PARAMS = frozenset({"adagrad"})
+
+
 def fp16_adam_stats(optimizer_cfg: Any) -> bool:
     """Whether ``--fp16-adam-stats`` is set (an option of fairseq's Adam only)."""
     return optimizer_cfg._name == "adam" and bool(optimizer_cfg.get("fp16_adam_stats"))
@@ -67,11 +72,12 @@ def build_sharded_optimizer(cfg: Any, params: list[torch.Tensor], settings: Shar
     own_adam = uses_sharded_adam(cfg.optimizer, settings)
     fairseq_optimizer = optim.build_optimizer(
         _fairseq_optimizer_config(cfg.optimizer, own_adam), shards.locals)
-    if not fairseq_optimizer.supports_flat_params:
+    if not (fairseq_optimizer.supports_flat_params
+            or cfg.optimizer._name in ELEMENT_WISE_WITHOUT_FLAT_PARAMS):
         raise ShardingConfigError(
             f"--optimizer {cfg.optimizer._name} is not element-wise, so its sharded "
-            "state would differ from unsharded training: use adam, adamw, sgd, adadelta "
-            "or adamax with --ddp-backend fully_sharded"
+            "state would differ from unsharded training: use adam, adamw, sgd, adadelta, "
+            "adamax or adagrad with --ddp-backend fully_sharded"
         )
     if own_adam:
         fp16_moments = fp16_adam_stats(cfg.optimizer)

@@ -21,12 +21,12 @@ def is_sharded_run(cfg: Any) -> bool:
 
 def check_sharded_config(cfg: Any) -> None:
     """Raise :class:`ShardingConfigError` for a sharded run that cannot work."""
+    check_branch_options(cfg)  # first: what no other flag makes workable (adam8bit, MoE)
     _check_fairseq_features(cfg)
     _check_plugin_options(cfg)
     _check_values(cfg)
     _check_parallelism_and_launch(cfg)
     _check_restore_file(cfg.checkpoint)
-    check_branch_options(cfg)
     check_fairscale_engine(cfg)
 
 
