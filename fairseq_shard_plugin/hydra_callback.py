@@ -19,7 +19,8 @@ Without it, training still works (the trainer joins torchrun's process group its
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 
 class LoadShardPlugin(Callback):
@@ -30,3 +31,23 @@ class LoadShardPlugin(Callback):
         import fairseq_shard_plugin
 
         fairseq_shard_plugin.activate_or_exit()
+        problem = first_unresolvable(config)
+        if problem:
+            raise SystemExit(f"fairseq-shard-plugin: error: {problem}")
+
+
+def first_unresolvable(config: DictConfig) -> str | None:
+    """One line for the first key of the job's config (Hydra's own node aside) whose value
+    cannot be resolved, e.g. ``${oc.env:FINETUNE_FROM_MODEL}`` with the variable unset;
+    fairseq-hydra-train would stop on it with omegaconf's traceback."""
+    for key in config:
+        try:
+            section = None if key == "hydra" else config.get(key)
+            if isinstance(section, (DictConfig, ListConfig)):
+                OmegaConf.to_container(section, resolve=True)
+        except InterpolationResolutionError as error:
+            where = getattr(error, "full_key", None) or key
+            reason = str(error).strip().splitlines()[0]
+            return (f"{where}: {reason}; give it on the command line ({where}=...) or set "
+                    "what it refers to")
+    return None

@@ -240,3 +240,17 @@ def test_export_without_the_plugins_hydra_callback_is_refused_before_training(
     assert completed.returncode != 0
     assert "task.export_consolidated: fairseq-hydra-train loaded the plugin too late" in output
     assert "train_inner" not in output and not (tmp_path / "out.pt").exists()
+
+
+def test_a_finetune_run_without_its_checkpoint_stops_in_one_line(tmp_path: Path) -> None:
+    """The real command, not only the composed config: the plugin's Hydra callback resolves
+    the job's config first and names the key, instead of omegaconf's traceback."""
+    completed = run_command(["env", "-u", "FINETUNE_FROM_MODEL", *hydra_command(
+        "finetune_600m", f"task.data={tmp_path}")], cwd=tmp_path)
+    assert completed.returncode != 0
+    assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
+    assert completed.stderr.strip().splitlines()[-1] == (
+        "fairseq-shard-plugin: error: checkpoint.finetune_from_model: KeyError raised while "
+        "resolving interpolation: \"Environment variable 'FINETUNE_FROM_MODEL' not found\"; "
+        "give it on the command line (checkpoint.finetune_from_model=...) or set what it "
+        "refers to")

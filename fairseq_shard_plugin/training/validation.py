@@ -84,7 +84,8 @@ def _check_plugin_options(cfg: Any) -> None:
                                         or cfg.checkpoint.no_last_checkpoints):
         raise ShardingConfigError(
             "--export-consolidated exports the final checkpoint_last.pt: remove --no-save "
-            "and --no-last-checkpoints (or --export-consolidated)"
+            "and --no-last-checkpoints (Hydra: checkpoint.no_save=false "
+            "checkpoint.no_last_checkpoints=false), or the export")
         )
     if cfg.checkpoint.write_checkpoints_asynchronously:
         raise ShardingConfigError(
