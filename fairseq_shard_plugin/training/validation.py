@@ -85,7 +85,7 @@ def _check_plugin_options(cfg: Any) -> None:
         raise ShardingConfigError(
             "--export-consolidated exports the final checkpoint_last.pt: remove --no-save "
             "and --no-last-checkpoints (Hydra: checkpoint.no_save=false "
-            "checkpoint.no_last_checkpoints=false), or the export")
+            "checkpoint.no_last_checkpoints=false), or the export"
         )
     if cfg.checkpoint.write_checkpoints_asynchronously:
         raise ShardingConfigError(
