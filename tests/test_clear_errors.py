@@ -168,7 +168,8 @@ from tiny_training import sharded_config
 fairseq_shard_plugin.activate()
 corpus, save_dir, out = sys.argv[1:]
 cfg = sharded_config(corpus, "--task", "sharded_translation", "--user-dir", "fairseq_shard_plugin",
-                     "--cpu", "--save-dir", save_dir, "--export-consolidated", out)
+                     "--cpu", "--max-tokens", "512", "--save-dir", save_dir,
+                     "--export-consolidated", out)
 
 def training_whose_last_save_was_damaged(cfg, **kwargs):
     with open(f"{save_dir}/checkpoint_last.pt", "wb") as file:
@@ -205,3 +206,21 @@ def test_an_unsupported_optimizer_is_named_before_the_precision_it_came_with(
         check_sharded_config(cfg)
     assert str(refused.value).startswith("--optimizer adam8bit is not supported")
     assert "use --optimizer adam" in str(refused.value)
+
+
+def test_a_wrong_data_path_is_named_with_the_one_to_give(corpus: Path, tmp_path: Path) -> None:
+    """fairseq-shard-synthetic-data OUT writes OUT/raw and OUT/bin: passing OUT (or a path
+    that does not exist) is said in one line, not "Could not infer language pair"."""
+    def train(data: Path) -> list[str]:
+        return [tool("fairseq-train"), str(data), "--cpu", "--user-dir", str(PLUGIN_DIR),
+                "--task", "sharded_translation", "--ddp-backend", "fully_sharded",
+                "--arch", "transformer", "--max-tokens", "512", "--save-dir", str(tmp_path)]
+
+    finished = run_concurrently({"out": train(corpus.parent), "nowhere": train(tmp_path / "x")})
+    for name, said in (("out", f"DATA {corpus.parent} holds the binarised data in {corpus}: "
+                               f"pass {corpus}"),
+                       ("nowhere", f"DATA {tmp_path / 'x'}: no such directory")):
+        done = finished[name]
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert done.stderr.strip().splitlines()[-1].startswith(
+            f"fairseq-shard-plugin: error: {said}"), done.stderr[-500:]

@@ -1,11 +1,16 @@
 """Task ``sharded_translation``: fairseq's ``translation`` plus the sharding options."""
 
 
+import glob
+import os
 from dataclasses import dataclass
+from typing import Any
 
+from fairseq import utils
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.sharding.options import ShardingConfig
 from fairseq_shard_plugin.tasks.resumable_batches import EpochIndependentBatches
 
@@ -15,7 +20,37 @@ class ShardedTranslationConfig(TranslationConfig, ShardingConfig):
     """``translation``'s options and the plugin's sharding options."""
 
 
+class DataPathError(ShardPluginError, ValueError):
+    """A DATA argument that is not a binarised fairseq directory; says which one to give."""
+
+
+def check_data_directory(data: str) -> None:
+    """DATA's first directory must hold fairseq-preprocess's ``dict.*.txt``; otherwise one
+    line saying what to pass (fairseq says "Could not infer language pair", or fails on
+    the missing directory with a traceback)."""
+    first = utils.split_paths(data)[0]
+    if "://" in first:  # remote storage: fairseq's PathManager reads it
+        return
+    if not os.path.isdir(first):
+        raise DataPathError(f"DATA {first}: no such directory: give the directory "
+                            "fairseq-preprocess wrote (fairseq-shard-synthetic-data OUT "
+                            "writes it to OUT/bin)")
+    if glob.glob(os.path.join(glob.escape(first), "dict.*.txt")):
+        return
+    inner = os.path.join(first, "bin")
+    if glob.glob(os.path.join(glob.escape(inner), "dict.*.txt")):
+        raise DataPathError(f"DATA {first} holds the binarised data in {inner}: pass {inner}")
+    raise DataPathError(f"DATA {first} holds no dict.*.txt: give the directory "
+                        "fairseq-preprocess wrote (its --destdir)")
+
+
 @register_task("sharded_translation", dataclass=ShardedTranslationConfig)
 class ShardedTranslationTask(EpochIndependentBatches, TranslationTask):
     """``translation`` whose config carries the sharding options, and whose batches do not
-    depend on the epoch a training resumed in (:mod:`.resumable_batches`)."""
+    depend on the epoch a training resumed in (:mod:`.resumable_batches`); a DATA that is
+    not binarised data is named in one line (:func:`check_data_directory`)."""
+
+    @classmethod
+    def setup_task(cls, cfg: Any, **kwargs: Any) -> "ShardedTranslationTask":
+        check_data_directory(cfg.data)
+        return super().setup_task(cfg, **kwargs)

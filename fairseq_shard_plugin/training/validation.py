@@ -28,6 +28,9 @@ def check_sharded_config(cfg: Any) -> None:
     _check_parallelism_and_launch(cfg)
     _check_restore_file(cfg.checkpoint)
     check_fairscale_engine(cfg)
+    if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:  # fairseq asserts
+        raise ShardingConfigError("give --max-tokens N (target tokens per batch and rank) "
+                                  "or --batch-size N")
 
 
 def _check_fairseq_features(cfg: Any) -> None:
