@@ -31,7 +31,9 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	touch $(BENCH_STAMP)
 
-# Loss curves and per-rank memory of the plugin and stock fairseq (benchmarks/results/demo.*).
+# Per-rank memory and loss curves of the plugin and stock fairseq, written to
+# demo_work/results/demo.* (python -m benchmarks.demo --out benchmarks/results refreshes the
+# committed ones).
 demo: $(BENCH_STAMP)
 	$(PY) -m benchmarks.demo
 
