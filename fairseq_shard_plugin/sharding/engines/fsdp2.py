@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -19,6 +20,14 @@ from torch.distributed.fsdp import (
 
 from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.sharding.wrap_policy import ShardingPlan, ShardUnit
+
+# FSDP2 warns once per module class whose forward returns a view: an in-place operation on
+# that view downstream would skip its backward hook. fairseq's transformer layers and models
+# return views (transposes), and nothing downstream changes them in place: sharded they give
+# stock fairseq's losses and gradient norms (tests/test_sharded_training.py,
+# test_fairseq_architectures.py). Only those classes' warning is silenced.
+_HARMLESS_VIEW_OUTPUTS = (r"FSDP2-wrapped module \(FSDP(Transformer(EncoderLayerBase|"
+                          r"DecoderLayerBase|Model|LanguageModel)|BARTModel)\) returned a view")
 
 
 def data_parallel_mesh(device_type: str) -> DeviceMesh:
@@ -69,6 +78,7 @@ def shard_unit(
     sharded as fairseq built it, by this function with this unit's settings) is left."""
     if len(unit.modules) == 1 and isinstance(unit.modules[0], FSDPModule):
         return
+    warnings.filterwarnings("ignore", message=_HARMLESS_VIEW_OUTPUTS, category=UserWarning)
     target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
     fully_shard(target, mesh=mesh, reshard_after_forward=unit.reshard_after_forward,
                 mp_policy=mp_policy, offload_policy=offload)
