@@ -154,6 +154,7 @@ from fairseq_shard_plugin.training.run_hooks import (
 from fairseq_shard_plugin.training.signal_stop import stopped_by
 from fairseq_shard_plugin.training.validation import (
     check_any_backend,
+    check_batch_size,
     check_sharded_config,
     is_sharded_run,
 )
@@ -289,6 +290,7 @@ def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[
                 return stock_call_main(cfg, main, **kwargs)
             untie_bf16_from_tpu(cfg)
             check_sharded_config(cfg)
+            check_batch_size(cfg)
             return stock_call_main(cfg, _TrainThenExport(main), **kwargs)
         except ShardPluginError as error:
             sys.exit(f"fairseq-shard-plugin: error: {error}")

@@ -211,15 +211,19 @@ def test_an_unsupported_optimizer_is_named_before_the_precision_it_came_with(
 def test_a_wrong_data_path_is_named_with_the_one_to_give(corpus: Path, tmp_path: Path) -> None:
     """fairseq-shard-synthetic-data OUT writes OUT/raw and OUT/bin: passing OUT (or a path
     that does not exist) is said in one line, not "Could not infer language pair"."""
-    def train(data: Path) -> list[str]:
+    def train(data: Path, *batch: str) -> list[str]:
         return [tool("fairseq-train"), str(data), "--cpu", "--user-dir", str(PLUGIN_DIR),
                 "--task", "sharded_translation", "--ddp-backend", "fully_sharded",
-                "--arch", "transformer", "--max-tokens", "512", "--save-dir", str(tmp_path)]
+                "--arch", "transformer", *batch, "--save-dir", str(tmp_path)]
 
-    finished = run_concurrently({"out": train(corpus.parent), "nowhere": train(tmp_path / "x")})
+    tokens = ("--max-tokens", "512")
+    finished = run_concurrently({"out": train(corpus.parent, *tokens),
+                                 "nowhere": train(tmp_path / "x", *tokens),
+                                 "no batch size": train(corpus)})
     for name, said in (("out", f"DATA {corpus.parent} holds the binarised data in {corpus}: "
                                f"pass {corpus}"),
-                       ("nowhere", f"DATA {tmp_path / 'x'}: no such directory")):
+                       ("nowhere", f"DATA {tmp_path / 'x'}: no such directory"),
+                       ("no batch size", "give --max-tokens N")):
         done = finished[name]
         assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
         assert done.stderr.strip().splitlines()[-1].startswith(

@@ -28,7 +28,13 @@ def check_sharded_config(cfg: Any) -> None:
     _check_parallelism_and_launch(cfg)
     _check_restore_file(cfg.checkpoint)
     check_fairscale_engine(cfg)
-    if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:  # fairseq asserts
+
+
+def check_batch_size(cfg: Any) -> None:
+    """A training needs --max-tokens or --batch-size (fairseq asserts it, with a traceback,
+    once the data is loaded); checked where fairseq-train starts, not where a trainer is
+    built (tools build trainers without a data loader)."""
+    if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:
         raise ShardingConfigError("give --max-tokens N (target tokens per batch and rank) "
                                   "or --batch-size N")
 
