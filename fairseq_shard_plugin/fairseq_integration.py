@@ -22,7 +22,7 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    Under any other backend it stays fairseq's, subclassed only so that ``load_checkpoint``
    ends by copying what it keeps out of the mapped checkpoint file (hook 6 maps it; see
    ``training.private_state``): torch's optimizer keeps the loaded moments themselves.
-   That subclass overrides two of the Trainer's private methods, for want of public ones:
+   ``ShardedTrainer`` overrides two of the Trainer's private methods, for want of public ones:
    ``_build_optimizer`` (the optimizer steps on fp32 master shards) and
    ``_reduce_and_log_stats`` (an fp16 update skipped for overflow logs nothing, as in
    fairseq, whose own skip path calls ``.cuda()`` and so cannot run on CPU ranks); it also
