@@ -1,10 +1,10 @@
-"""The README's own command, as a user types it: torchrun starting fresh fairseq-train
-processes that load the plugin by its relative user-dir name from the repository root."""
+"""The README's own commands, as a user types them: torchrun starting fresh fairseq-train
+processes that load the plugin by its relative user-dir name from the repository root, and
+the console scripts."""
 
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,6 @@ import pytest
 from launching import forkserver
 from launching.harness import (
     REPO,
-    parse_logs,
     rank_environment,
     run_command,
     run_concurrently,
@@ -20,37 +19,6 @@ from launching.harness import (
 )
 
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
-
-# CPU-sized additions: later flags win in fairseq's parser
-SMALL = ("--cpu --encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 32 "
-         "--decoder-embed-dim 32 --encoder-ffn-embed-dim 64 --decoder-ffn-embed-dim 64 "
-         "--encoder-attention-heads 2 --decoder-attention-heads 2 --max-tokens 512 "
-         "--max-update 3 --log-format json --log-interval 1 --no-save --num-workers 0")
-
-
-def readme_quick_start() -> str:
-    """The "Bilingual translation" command of README.md, its lines joined."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("### Bilingual translation", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block, "README.md's bilingual quick start has no bash block"
-    return block.group(1).replace("\\\n", " ").strip()
-
-
-def test_the_readmes_torchrun_command_trains_in_fresh_processes(corpus: Path) -> None:
-    command = readme_quick_start()
-    assert command.startswith("torchrun --nproc_per_node 2 $(which fairseq-train) DATA")
-    assert "--user-dir fairseq_shard_plugin" in command
-    line = command.replace("DATA", shlex.quote(str(corpus)), 1) + " " + SMALL
-    done = run_command(["bash", "-c", line], cwd=REPO, env=rank_environment(), timeout=300)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
-    assert "sharded over 2 ranks with fsdp2" in output, output[-3000:]
-    # FSDP2's warning about views returned by fairseq's transformer classes (harmless: the
-    # sharded losses and norms are stock's) no longer fills the screen
-    assert "returned a view tensor" not in output
-    updates = [entry["num_updates"] for entry in parse_logs(output)["train_inner"]]
-    assert updates[-1] == "3", updates
 
 
 def test_ranks_are_never_forked_on_a_machine_with_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,3 +67,7 @@ def test_the_readmes_walkthrough_runs_from_data_to_translations(tmp_path: Path) 
     assert f"{tmp_path / 'toy' / 'checkpoints' / 'checkpoint_last.pt'}: ok (full" in done.stdout
     assert (tmp_path / "toy" / "model.pt").is_file()
     assert done.stdout.strip().splitlines()[-1].startswith("Generate test with beam=2: BLEU4 = ")
+    assert "sharded over 2 ranks with fsdp2" in output
+    # FSDP2's warning about views returned by fairseq's transformer classes (harmless: the
+    # sharded losses and norms are stock's) no longer fills the screen
+    assert "returned a view tensor" not in output
