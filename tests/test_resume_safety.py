@@ -42,7 +42,7 @@ COMPARED = ("train_loss", "train_nll_loss", "train_ppl", "train_gnorm", "train_n
 
 
 def _args(corpus: Path, save_dir: Path, backend: str) -> list[str]:
-    return [*training_args(corpus, save_dir, max_update=0, max_tokens=2048), *TINY,
+    return [*training_args(corpus, save_dir, max_update=0, max_tokens=4096), *TINY,
             "--max-epoch", "3", "--user-dir", str(PLUGIN_DIR),
             "--task", "sharded_translation", "--ddp-backend", backend]
 
