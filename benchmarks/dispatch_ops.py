@@ -14,7 +14,12 @@ fast as the GPU runs them, the step is launch-bound. Two measurements need no GP
    updates after the warm-up, in runs without the counting mode, one configuration at a time.
 
 World size 1 (one process; FSDP2 still does its copy-in and copy-out), fp32, 12+12 layers at
-width 32, as in issue 28's first count (stock 6,541 operations per update, the plugin 8,113).
+width 32, as in issue 28's first count (which counted whole runs of 8 and 4 updates: stock
+6,541 operations per update, the plugin 8,113, 1.24x; this count, read at each update,
+gives larger totals and the same ratio before the gradient-norm change: 1.25x).
+
+``--meter`` measures instead what ``fairseq-shard-measure-train``'s live-tensor meter adds
+to the host time per update (``results/meter_cost.md``).
 
     python -m benchmarks.dispatch_ops            # writes results/dispatch_ops.{md,json}
 """
@@ -54,7 +59,7 @@ CONFIGS: dict[str, list[str]] = {
 }
 
 
-def child(report: str, fairseq_args: list[str], count: bool) -> None:
+def child(report: str, fairseq_args: list[str], count: bool, meter: bool = False) -> None:
     """In the measured process: run fairseq-train's ``cli_main`` on ``fairseq_args``,
     counting dispatched operations between the starts of consecutive updates."""
     import fairseq.trainer
@@ -88,6 +93,14 @@ def child(report: str, fairseq_args: list[str], count: bool) -> None:
     if count:
         with mode:
             train.cli_main()
+    elif meter:  # as fairseq-shard-measure-train ran every row of the first GPU check
+        import fairseq_shard_plugin
+        from fairseq_shard_plugin.memory.meters import LiveTensorMeter
+
+        if "--user-dir" in fairseq_args:  # imported now, fairseq would skip the user dir
+            fairseq_shard_plugin.activate()
+        with LiveTensorMeter():
+            train.cli_main()
     else:
         train.cli_main()
     per_update = [b[0] - a[0] for a, b in zip(marks, marks[1:], strict=False)]
@@ -102,15 +115,17 @@ def child(report: str, fairseq_args: list[str], count: bool) -> None:
 
 
 def measure(corpus: Path, work: Path, name: str, updates: int, count: bool,
-            threads: int = 1) -> dict[str, Any]:
+            threads: int = 1, meter: bool = False) -> dict[str, Any]:
     """One run of configuration ``name`` in a fresh process (one rank, torchrun's
     variables); the child's report, plus fairseq's per-update ``train_wall``."""
-    save_dir = work / f"{name.replace(' ', '_')}_{'count' if count else 'time'}"
+    kind = "count" if count else "meter" if meter else "time"
+    save_dir = work / f"{name.replace(' ', '_')}_{kind}"
     report = save_dir.with_suffix(".json")
     args = [*training_args(corpus, save_dir, updates, max_tokens=512), *MODEL, "--no-save",
             "--disable-validation", *CONFIGS[name]]
     command = [sys.executable, "-m", "benchmarks.dispatch_ops", "--child", str(report),
-               "--count" if count else "--no-count", "--", *args]
+               "--count" if count else "--no-count", *(["--meter"] if meter else []), "--",
+               *args]
     code, output = start_ranks(command, 1, rank_environment(threads), timeout=600)
     if code != 0:
         raise RuntimeError(f"{name} failed ({code}):\n{output[-4000:]}")
@@ -166,6 +181,31 @@ def markdown(rows: dict[str, Any], command: str) -> str:
     return "\n".join(lines)
 
 
+def meter_cost(make_corpus: Any, updates: int) -> None:
+    """Host ms per update of stock and the plugin, without and with the live-tensor meter
+    (a dispatch mode) that the first GPU check ran every training under."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = make_corpus(Path(tmp) / "corpus")
+        for name in ("stock legacy_ddp", "plugin fsdp2"):
+            ms = [1000 * statistics.median(measure(corpus, Path(tmp), name, updates, count=False,
+                                                   meter=meter)["seconds"])
+                  for meter in (False, True)]
+            rows.append({"configuration": name, "host_ms_per_update": round(ms[0], 1),
+                         "with_meter_ms": round(ms[1], 1), "added_ms": round(ms[1] - ms[0], 1)})
+    lines = ["| configuration | host ms per update | under the tensor meter | added |",
+             "|---|---|---|---|"]
+    lines += [f"| {r['configuration']} | {r['host_ms_per_update']} | {r['with_meter_ms']} | "
+              f"+{r['added_ms']} |" for r in rows]
+    lines += ["", "World size 1, fp32, 12+12 layers at width 32, 512 tokens per update; medians "
+              f"after {WARMUP_UPDATES} updates of warm-up. Produced by "
+              f"`python -m benchmarks.dispatch_ops --meter --updates {updates}`.", ""]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "meter_cost.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (RESULTS / "meter_cost.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -173,12 +213,18 @@ def main() -> None:
                         help=argparse.SUPPRESS)
     parser.add_argument("--updates", type=int, default=12)
     parser.add_argument("--name", default="dispatch_ops")
+    parser.add_argument("--meter", action="store_true",
+                        help="host time per update with and without fairseq-shard-measure-"
+                        "train's live-tensor meter instead (results/meter_cost.*)")
     args, rest = parser.parse_known_args()
     if args.child:
-        child(args.child, rest[1:] if rest[:1] == ["--"] else rest, args.count)
+        child(args.child, rest[1:] if rest[:1] == ["--"] else rest, args.count, args.meter)
         return
     from fairseq_shard_plugin.cli.synthetic_data import make_corpus
 
+    if args.meter:
+        meter_cost(make_corpus, args.updates)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         corpus = make_corpus(Path(tmp) / "corpus")
         rows = compare(corpus, Path(tmp), updates=args.updates)

@@ -20,8 +20,9 @@ updates 32-34 (``fairseq_shard_plugin.cli.update_timing``) gives the device's bu
 against the wall time per update, kernel launches per update and the top kernels. No CPU
 tensor meter runs in these processes: the first GPU run (2026-12-04) measured every row
 under ``LiveTensorMeter``, a dispatch mode that puts every aten operation through Python;
-on CPU it added 144 ms per update to stock and 166 ms to the plugin on a small model
-(``docs/gpu-check.md``), so those words/s were host-bound for every row.
+on CPU it added 245 ms per update to stock and 252 ms to the plugin on a small model
+(``python -m benchmarks.dispatch_ops --meter``, ``results/meter_cost.md``), so those
+words/s include that cost in every row.
 
 Every run is launched by ``launching.harness.run_training`` through
 ``fairseq-shard-measure-train`` (it calls ``fairseq_cli.train.cli_main``). The stock row's
