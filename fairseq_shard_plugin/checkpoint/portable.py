@@ -84,9 +84,10 @@ def languages_as_lists(state: Any) -> Any:
         section = cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
         langs = (section.get("langs") if isinstance(section, dict)
                  else getattr(section, "langs", None))
-        if not isinstance(langs, str) or ("," not in langs and not os.path.isfile(langs)):
+        is_file = isinstance(langs, str) and os.path.isfile(langs)
+        if not is_file and not (isinstance(langs, str) and "," in langs):
             continue
-        if os.path.isfile(langs):
+        if is_file:
             with open(langs) as text:
                 langs = text.read()
         codes = [code for code in re.split(r"[,\s]+", langs) if code]
