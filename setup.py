@@ -5,6 +5,8 @@ setup(
     version="0.1.0",
     description="fairseq --user-dir plugin: per-layer parameter sharding that reduces memory",
     packages=find_packages(include=["fairseq_shard_plugin", "fairseq_shard_plugin.*"]),
+    # the C host Adam step, compiled on first use (sharding/native_adam.py)
+    package_data={"fairseq_shard_plugin.sharding": ["native_adam.c"]},
     python_requires=">=3.10",
     # torch and fairseq are not pinned here: an existing fairseq (e.g. the NLLB branch) and
     # its torch must never be replaced. Install torch first (the Makefile pins 2.13.0).

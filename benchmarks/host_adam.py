@@ -3,28 +3,34 @@
 Under ``--cpu-offload`` the optimizer steps on the CPU over every parameter of the rank's
 shards, once per update. This measures, on the same shards (the parameter shapes of
 ``nllb_dense_600m`` split over ``--world-size`` ranks along dim 0, as FSDP2 shards them),
-the same gradients and the same existing Adam state:
+the same gradients and the same existing Adam state, at each of ``--threads``:
 
 - fairseq's Adam (``fairseq.optim.adam.Adam``: one tensor at a time, about ten operators);
-- torch's Adam with ``foreach=True`` and ``fused=True`` (``torch.optim.AdamW``);
-- the plugin's Adam (``sharding/sharded_adam.py``: torch's fused kernel in pieces, with
-  fairseq's epsilon), with fp32 and with 16-bit moments, and over 16-bit parameters.
+- torch's AdamW with ``foreach=True`` and ``fused=True``; DeepSpeed's ``DeepSpeedCPUAdam``
+  when ``deepspeed`` is importable (its JIT build is not timed);
+- the plugin's Adam (``sharding/sharded_adam.py``) with fp32 state (torch's fused kernel),
+  and with 16-bit state in its two ways: the C step (``sharding/native_adam.c``) and the
+  pure-torch step it falls back to without a compiler;
+- ``torch.compile`` of the same 16-bit step (inductor's C++ on CPU; compile time apart).
 
 Each is timed over the fastest of three steps after the first (which creates the state),
 and its result is compared with fairseq's (the largest parameter difference, next to the
 largest update). NLLB's epsilon (1e-6) is large next to small gradients, so where it enters
 matters: torch's AdamW adds it after the bias correction, fairseq before.
 
-    python -m benchmarks.host_adam                # 2 ranks' shards, this host's threads
+    python -m benchmarks.host_adam                 # world size 8's shard, 1 and 2 threads
+    python -m benchmarks.host_adam --world-size 2 --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -72,15 +78,81 @@ def sharded_adam(**options: bool) -> Callable[[list[torch.Tensor]], torch.optim.
     return lambda params: ShardedAdam(params, **SETTINGS, **options)
 
 
-IMPLEMENTATIONS: dict[str, tuple[Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-                                 torch.dtype]] = {
+def deepspeed_cpu_adam(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(params, **SETTINGS, adamw_mode=True)
+
+
+class CompiledAdam16:
+    """The plugin's 16-bit step (scaled fp16 moments) as two ``torch.compile``d functions
+    per tensor: the new moments' maxima, then the update, both in fp32 math."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params, self.step_count = params, 0
+        self.moments = [[torch.zeros_like(p, dtype=torch.float16) for _ in range(2)]
+                        for p in params]
+        self.scales = [torch.ones(2) for _ in params]
+        self.maxima = torch.compile(_new_moment_maxima, dynamic=True)
+        self.update = torch.compile(_compiled_update, dynamic=True)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.step_count += 1
+        beta1, beta2 = SETTINGS["betas"]
+        constants = torch.tensor([beta1, beta2, SETTINGS["lr"] / (1 - beta1**self.step_count),
+                                  SETTINGS["eps"] / (1 - beta2**self.step_count) ** 0.5,
+                                  (1 - beta2**self.step_count) ** 0.5])
+        for param, (avg, avg_sq), scales in zip(self.params, self.moments, self.scales,
+                                                strict=True):
+            if not param.numel():
+                continue
+            new_scales = 1e-8 + self.maxima(param.grad, avg, avg_sq, scales, constants) / 65504
+            self.update(param, param.grad, avg, avg_sq, scales, new_scales, constants)
+            scales.copy_(new_scales)
+
+
+def _new_moments(grad: torch.Tensor, avg: torch.Tensor, avg_sq: torch.Tensor,
+                 scales: torch.Tensor, constants: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    g = grad.float()
+    beta1, beta2 = constants[0], constants[1]
+    return (avg.float() * scales[0] * beta1 + (1 - beta1) * g,
+            avg_sq.float() * scales[1] * beta2 + (1 - beta2) * g * g)
+
+
+def _new_moment_maxima(grad: torch.Tensor, avg: torch.Tensor, avg_sq: torch.Tensor,
+                       scales: torch.Tensor, constants: torch.Tensor) -> torch.Tensor:
+    first, second = _new_moments(grad, avg, avg_sq, scales, constants)
+    return torch.stack([first.abs().amax(), second.amax()])
+
+
+def _compiled_update(param: torch.Tensor, grad: torch.Tensor, avg: torch.Tensor,
+                     avg_sq: torch.Tensor, scales: torch.Tensor, new_scales: torch.Tensor,
+                     constants: torch.Tensor) -> None:
+    first, second = _new_moments(grad, avg, avg_sq, scales, constants)
+    step_size, eps, correction = constants[2], constants[3], constants[4]
+    param.copy_(param.float() - step_size * first / (second.sqrt() / correction + eps))
+    avg.copy_(first / new_scales[0])
+    avg_sq.copy_(second / new_scales[1])
+
+
+# name: (optimizer factory, parameter dtype); 16-bit rows say which step runs them
+IMPLEMENTATIONS: dict[str, tuple[Callable[[list[torch.Tensor]], Any], torch.dtype]] = {
     "fairseq Adam (fp32)": (fairseq_adam, torch.float32),
     "torch AdamW foreach (fp32)": (torch_adamw(foreach=True), torch.float32),
     "torch AdamW fused (fp32)": (torch_adamw(fused=True), torch.float32),
+    "DeepSpeed CPUAdam (fp32)": (deepspeed_cpu_adam, torch.float32),
     "plugin ShardedAdam (fp32)": (sharded_adam(), torch.float32),
-    "plugin ShardedAdam, fp16 moments": (sharded_adam(fp16_moments=True), torch.float32),
-    "plugin ShardedAdam, 16-bit params + fp16 moments": (
+    "plugin, fp16 moments, torch step": (
+        sharded_adam(fp16_moments=True, native=False), torch.float32),
+    "plugin, fp16 moments, C step": (sharded_adam(fp16_moments=True), torch.float32),
+    "plugin, bf16 params + fp32 moments, C step": (sharded_adam(), torch.bfloat16),
+    "plugin, bf16 params + fp16 moments, torch step": (
+        sharded_adam(fp16_moments=True, native=False), torch.bfloat16),
+    "plugin, bf16 params + fp16 moments, C step": (
         sharded_adam(fp16_moments=True), torch.bfloat16),
+    "torch.compile, bf16 params + fp16 moments": (CompiledAdam16, torch.bfloat16),
 }
 
 
@@ -102,52 +174,78 @@ def measure(name: str, shapes: list[tuple[int, ...]]) -> tuple[dict, list[torch.
     del optimizer, params
     gc.collect()
     elements = sum(torch.Size(s).numel() for s in shapes)
-    return {"implementation": name, "elements": elements, "first_step_s": seconds[0],
-            "step_s": min(seconds[1:])}, result
+    step = min(seconds[1:])
+    return {"implementation": name, "threads": torch.get_num_threads(), "elements": elements,
+            "first_step_s": seconds[0], "step_s": step,
+            "ns_per_element": step / elements * 1e9}, result
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--threads", default="1,2",
+                        help="comma-separated thread counts (default: 1,2)")
+    parser.add_argument("--only", nargs="*", help="these implementations (and fairseq's)")
     options = parser.parse_args(argv)
-    torch.set_num_threads(options.threads)
     shapes = shard_shapes(nllb_600m_shapes(), options.world_size)
     start = make_tensors(shapes, 0, 0.02)
-    rows, reference = [], None
-    for name in IMPLEMENTATIONS:
-        row, result = measure(name, shapes)
-        if reference is None:
-            reference = [r - s for r, s in zip(result, start, strict=True)]  # the update
-            reference_result = result
-        row["difference_vs_fairseq"] = max(
-            float((r - f).abs().max()) for r, f in zip(result, reference_result, strict=True))
-        row["largest_update"] = max(float(u.abs().max()) for u in reference)
-        row["speedup_vs_fairseq"] = rows[0]["step_s"] / row["step_s"] if rows else 1.0
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        del result
-        gc.collect()
+    names = [name for name in IMPLEMENTATIONS if _available(name)
+             and (not options.only or name in options.only or name.startswith("fairseq"))]
+    rows, reference, reference_result = [], None, None
+    for threads in [int(count) for count in options.threads.split(",")]:
+        torch.set_num_threads(threads)
+        same_threads: dict[str, dict] = {}
+        for name in names:
+            row, result = measure(name, shapes)
+            if reference is None:
+                reference = [r - s for r, s in zip(result, start, strict=True)]  # the update
+                reference_result = result
+            row["difference_vs_fairseq"] = max(
+                float((r - f).abs().max())
+                for r, f in zip(result, reference_result, strict=True))
+            row["largest_update"] = max(float(u.abs().max()) for u in reference)
+            same_threads[name] = row
+            for key, baseline in (("vs_plugin_fp32", "plugin ShardedAdam (fp32)"),
+                                  ("vs_deepspeed_fp32", "DeepSpeed CPUAdam (fp32)")):
+                row[key] = (same_threads[baseline]["step_s"] / row["step_s"]
+                            if baseline in same_threads else None)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del result
+            gc.collect()
+    command = "python -m benchmarks.host_adam --world-size {} --threads {}{}".format(
+        options.world_size, options.threads,
+        "".join(f" --only {name!r}" for name in options.only or []))
     note = (f"One Adam step over rank 0's shards of nllb_dense_600m at world size "
-            f"{options.world_size} ({rows[0]['elements'] / 1e6:.0f}M elements), "
-            f"{options.threads} threads, on this host's CPU; step: one step with "
-            "Adam's state existing (fastest of 3); difference: the largest parameter "
-            f"difference from fairseq's Adam after {1 + TIMED_STEPS} steps (the "
-            "16-bit-parameter row includes bf16 "
-            "rounding of the parameters). Produced by `python -m benchmarks.host_adam "
-            f"--world-size {options.world_size} --threads {options.threads}`.")
-    columns = [("implementation", "implementation"), ("step (s)", "step_s"),
-               ("speed-up vs fairseq", "speedup_vs_fairseq"),
-               ("difference vs fairseq", "difference_vs_fairseq"),
-               ("largest update", "largest_update")]
+            f"{options.world_size} ({rows[0]['elements'] / 1e6:.0f}M elements), on this "
+            "host's CPU; step: one step with Adam's state existing (fastest of 3), in ns per "
+            "element; speed-ups: the same thread count's plugin fp32 step and DeepSpeed's "
+            "CPUAdam (n/a: deepspeed not installed); first step: creates the state (and "
+            "compiles, for torch.compile); difference: the largest parameter difference "
+            f"from fairseq's Adam after {1 + TIMED_STEPS} steps (bf16 rows include bf16 "
+            f"rounding of the parameters). Produced by `{command}`.")
+    columns = [("implementation", "implementation"), ("threads", "threads"),
+               ("step (s)", "step_s"), ("ns per element", "ns_per_element"),
+               ("vs plugin fp32", "vs_plugin_fp32"), ("vs DeepSpeed fp32", "vs_deepspeed_fp32"),
+               ("first step (s)", "first_step_s"),
+               ("difference vs fairseq", "difference_vs_fairseq")]
     table = write_results("host_adam", [_rounded(row) for row in rows], columns, note)
     print(table)
 
 
+def _available(name: str) -> bool:
+    if name.startswith("DeepSpeed"):
+        return importlib.util.find_spec("deepspeed") is not None
+    return True
+
+
 def _rounded(row: dict) -> dict:
+    def ratio(value: float | None) -> float | None:
+        return None if value is None else round(value, 2)
     return {**row, "first_step_s": round(row["first_step_s"], 2),
-            "step_s": round(row["step_s"], 2),
-            "speedup_vs_fairseq": round(row["speedup_vs_fairseq"], 2),
+            "step_s": round(row["step_s"], 3), "ns_per_element": round(row["ns_per_element"], 2),
+            "vs_plugin_fp32": ratio(row["vs_plugin_fp32"]),
+            "vs_deepspeed_fp32": ratio(row["vs_deepspeed_fp32"]),
             "difference_vs_fairseq": float(f"{row['difference_vs_fairseq']:.2e}"),
             "largest_update": float(f"{row['largest_update']:.2e}")}
 

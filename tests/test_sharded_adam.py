@@ -1,5 +1,6 @@
 """The plugin's Adam (sharding/sharded_adam.py) in one process: fairseq's update over fp32
-or 16-bit tensors, 16-bit moments in FusedAdamV1's layout, pieces, and reloading."""
+or 16-bit tensors, 16-bit moments in FusedAdamV1's layout, pieces, and reloading; each on
+both host steps for 16-bit state (the C one, and torch's, used without a compiler)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ from launching.harness import REPO, rank_environment, start_ranks
 from tiny_training import TINY
 
 SHAPES = [(48, 32), (32,), (0, 8), (1000,)]
+
+
+@pytest.fixture(autouse=True, params=["C step", "torch step"])
+def host_step(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.param == "torch step":
+        if request.node.get_closest_marker("e2e"):
+            pytest.skip("ranks take the C step; torch's is covered in one process")
+        monkeypatch.setattr(sharded_adam, "native_library", lambda: None)
+    elif sharded_adam.native_library() is None:
+        pytest.skip("no C compiler here")
 SETTINGS = dict(lr=1e-3, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01)
 STEPS = 10
 

@@ -19,16 +19,28 @@ and CUDA), over chunks of at most :data:`CHUNK_ELEMENTS` elements, so the fp32 c
 moment and fairseq before it; passing ``eps / sqrt(1 - beta2^t)`` gives fairseq's update.
 The loss scale and clipping factor are applied inside the kernel, in fp32 (``grad_factor``),
 never by rescaling 16-bit gradients in place.
+
+On the host, shards stored in 16 bits anywhere take the C step of ``native_adam`` instead
+(the same arithmetic in one pass per element, or two with scaled moments); torch's kernel
+over fp32 copies remains where the C step cannot be built, and on GPUs.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch.optim.adam import adam as torch_adam
+
+from fairseq_shard_plugin.sharding.native_adam import (
+    DTYPE_CODES,
+    AdamGroup,
+    AdamTensor,
+    native_library,
+)
 
 FLOAT16_MAX = 65504.0
 CHUNK_ELEMENTS = 1 << 24  # largest fp32 working set per kernel call: 16 B x this
@@ -46,11 +58,12 @@ class ShardedAdam(torch.optim.Optimizer):
     def __init__(self, params: Sequence[torch.Tensor], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, fp16_moments: bool = False,
-                 max_over_ranks: MaxOverRanks | None = None) -> None:
+                 max_over_ranks: MaxOverRanks | None = None, native: bool = True) -> None:
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
         self.fp16_moments = fp16_moments
         self.max_over_ranks = max_over_ranks
+        self.native = native  # the C step where it applies (False: always torch's kernel)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loading, except that moments keep their kind: torch casts state to its
@@ -94,9 +107,7 @@ class ShardedAdam(torch.optim.Optimizer):
             # every parameter has its place in the scales (the same on every rank, whichever
             # of its shards has a gradient); only those with one are updated
             params = group["params"]
-            scales = self._next_scales(group, params, grad_factor) if self.fp16_moments else None
-            for chunk in _chunks(params, self.state):
-                self._update(group, chunk, grad_factor, scales)
+            scales = self._update_group(group, params, grad_factor)
             for index, param in enumerate(params):
                 if param.grad is None:
                     continue
@@ -106,6 +117,87 @@ class ShardedAdam(torch.optim.Optimizer):
                     state["exp_avg_scale"] = float(scales[index, 0])
                     state["exp_avg_sq_scale"] = float(scales[index, 1])
         return loss
+
+    def _update_group(self, group: dict[str, Any], params: list[torch.Tensor],
+                      grad_factor: float) -> torch.Tensor | None:
+        """Updates the parameters with gradients; returns the new moments' scales
+        ``[len(params), 2]`` when moments are scaled fp16."""
+        if self._takes_native_step(params):
+            library = native_library()
+            if library is not None:
+                return self._native_update(library, group, params, grad_factor)
+        scales = self._next_scales(group, params, grad_factor) if self.fp16_moments else None
+        for chunk in _chunks(params, self.state):
+            self._update(group, chunk, grad_factor, scales)
+        return scales
+
+    def _takes_native_step(self, params: list[torch.Tensor]) -> bool:
+        """Whether the C step applies: host tensors of known dtypes, contiguous, and
+        16-bit somewhere (fp32 throughout is torch's fused kernel, as fast)."""
+        updated = [param for param in params if param.grad is not None]
+        if not self.native or not updated:
+            return False
+        sixteen_bit = self.fp16_moments
+        for param in updated:
+            tensors = [param, param.grad, *(self.state[param].get(key) for key in MOMENTS)]
+            for tensor in (tensor for tensor in tensors if tensor is not None):
+                if (tensor.device.type != "cpu" or tensor.dtype not in DTYPE_CODES
+                        or not tensor.is_contiguous()):
+                    return False
+            moments = self.state[param].get("exp_avg")
+            if self.fp16_moments and moments is not None and moments.dtype != torch.float16:
+                return False
+            sixteen_bit |= param.dtype != torch.float32 or param.grad.dtype != torch.float32
+        return sixteen_bit
+
+    def _native_update(self, library: Any, group: dict[str, Any], params: list[torch.Tensor],
+                       grad_factor: float) -> torch.Tensor | None:
+        """The C step over every parameter with a gradient: with scaled moments, a pass for
+        their largest values (then the maximum over ranks), and the update pass."""
+        beta1, beta2 = group["betas"]
+        updated = [(index, param) for index, param in enumerate(params)
+                   if param.grad is not None]
+        tensors = (AdamTensor * len(updated))()
+        for entry, (_, param) in zip(tensors, updated, strict=True):
+            state = self.state[param]
+            if self.fp16_moments:
+                _ensure_scaled_moments(state, param)
+            else:
+                _ensure_fp32_moments(state, param)
+            step = state.get("step", 0) + 1
+            bias_correction2 = 1 - beta2**step
+            entry.param, entry.grad = param.data_ptr(), param.grad.data_ptr()
+            entry.exp_avg = state["exp_avg"].data_ptr()
+            entry.exp_avg_sq = state["exp_avg_sq"].data_ptr()
+            entry.numel = param.numel()
+            entry.param_dtype = DTYPE_CODES[param.dtype]
+            entry.grad_dtype = DTYPE_CODES[param.grad.dtype]
+            entry.moment_dtype = DTYPE_CODES[state["exp_avg"].dtype]
+            entry.scale_in[:] = [float(state.get(key, 1.0)) for key in SCALES]
+            entry.step_size = group["lr"] / (1 - beta1**step)
+            entry.bias_correction2_sqrt = math.sqrt(bias_correction2)
+            entry.eps = group["eps"] / math.sqrt(bias_correction2)
+        constants = AdamGroup(beta2=beta2, avg_sq_grad_coefficient=1 - beta2,
+                              lerp_weight=1 - beta1,
+                              keep=1 - group["lr"] * group["weight_decay"],
+                              grad_divisor=1.0 / grad_factor)
+        threads = torch.get_num_threads()
+        scales = None
+        if self.fp16_moments:
+            largest = torch.zeros(len(updated), 2)
+            if library.adam_moment_maxima(tensors, len(updated), ctypes.byref(constants),
+                                          ctypes.c_void_p(largest.data_ptr()), threads):
+                raise RuntimeError("the C host Adam step could not join its threads")
+            maxima = torch.zeros(len(params), 2)
+            maxima[[index for index, _ in updated]] = largest
+            if self.max_over_ranks is not None:
+                self.max_over_ranks(maxima.view(-1))
+            scales = 1e-8 + maxima / FLOAT16_MAX
+            for entry, (index, _) in zip(tensors, updated, strict=True):
+                entry.scale_out[:] = scales[index].tolist()
+        if library.adam_update(tensors, len(updated), ctypes.byref(constants), threads):
+            raise RuntimeError("the C host Adam step could not join its threads")
+        return scales
 
     def _next_scales(self, group: dict[str, Any], params: list[torch.Tensor],
                      grad_factor: float) -> torch.Tensor:
@@ -192,10 +284,7 @@ def _piece_moments(state: dict[str, Any], param: torch.Tensor, start: int, stop:
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Elements ``start:stop`` of both moments in fp32: views of fp32 moments, copies of
     scaled 16-bit ones (as this optimizer or FusedAdamV1 stores them); zeros at first."""
-    if "exp_avg" not in state:
-        for key in MOMENTS:
-            state[key] = torch.zeros_like(param, dtype=torch.float16)
-        state.update(dict.fromkeys(SCALES, 1.0))
+    _ensure_scaled_moments(state, param)
     moments = []
     for moment_key, scale_key in zip(MOMENTS, SCALES, strict=True):
         moment = _flat(state[moment_key])[start:stop]
@@ -204,6 +293,14 @@ def _piece_moments(state: dict[str, Any], param: torch.Tensor, start: int, stop:
         else:
             moments.append(moment.float().mul_(float(state.get(scale_key, 1.0))))
     return moments[0], moments[1]
+
+
+def _ensure_scaled_moments(state: dict[str, Any], param: torch.Tensor) -> None:
+    """Moments stored as scaled fp16 (created zero, with unit scales, at the first step)."""
+    if "exp_avg" not in state:
+        for key in MOMENTS:
+            state[key] = torch.zeros_like(param, dtype=torch.float16)
+        state.update(dict.fromkeys(SCALES, 1.0))
 
 
 def _ensure_fp32_moments(state: dict[str, Any], param: torch.Tensor) -> None:
