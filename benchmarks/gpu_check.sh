@@ -4,7 +4,9 @@
 # ve-fairseq's prebuilt cp312 wheel, fairscale, their dependencies and the plugin as wheels
 # into .whl/, which the call carries.
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
-# Two parts (benchmarks/gpu_check.py says what each measures and how):
+#   run(command="bash benchmarks/gpu_check.sh offload", carry=[".whl"], timeout_s=540)
+# Three parts (benchmarks/gpu_check.py and gpu_offload.py say what each measures and how);
+# with `offload`, part 3 alone, with the whole budget:
 #   1. benchmarks/results/gpu_check.{md,json}: speed in steady state at the NLLB-600M shape,
 #      world size 1, 40 updates each: stock fairseq's fairscale path as shipped (launched
 #      with no --user-dir, so no plugin hook is installed in that process), the plugin's
@@ -16,13 +18,18 @@
 #      docs/memory.md) measured with CUDA statistics, per rank at world size 2 (fake process
 #      group, one device; fairseq's CUDA gradient-norm consistency check is off there, as
 #      on CPU: a fake group cannot pass it). Verified on 2026-12-04: it runs only with the
-#      seconds part 1 leaves.
+#      seconds part 1 leaves;
+#   3. benchmarks/results/gpu_offload_3_3b.{md,json}: the one-GPU 3.3B recipe's settings at
+#      world size 1 for 6 updates: CUDA peak, host peak RSS, seconds per update and the
+#      host Adam step's share (its own call: `offload`; after part 1, with what is left).
 # Time budget, 480 s in all (the call's 540 s less a margin). Each step must end by the sum
 # of its budget and those before it, so seconds an earlier step leaves go to the next ones:
 #   pip install of .whl/ (wheels only, nothing compiles)                      30 s
 #   nvidia-smi                                                                 10 s
 #   part 1, trainings (at most 90 s each, in order of importance)            440 s
+#   part 3, the 3.3B one-GPU recipe (only the seconds the steps before leave)  0 s
 #   part 2, configurations (only the seconds the steps before leave)           0 s
+# With `offload`: install 30 s, nvidia-smi 10 s, part 3 440 s.
 # Each part writes its results after every run, and they are copied to $OUT (if set) when
 # the part ends, so a timeout keeps what finished. The script exits 0 with a summary of
 # what ran, whatever a step's outcome (2 only when it cannot start: no fairseq, no .whl/).
@@ -59,7 +66,7 @@ summary() {
     echo
     echo "== gpu_check summary ($((SECONDS - START)) s) =="
     printf '  %s\n' "${SUMMARY[@]}"
-    for name in gpu_check gpu_memory_600m; do
+    for name in gpu_check gpu_offload_3_3b gpu_memory_600m; do
         [ -f "benchmarks/results/$name.md" ] && { echo "-- $name.md"; cat "benchmarks/results/$name.md"; }
     done
     exit 0
@@ -94,7 +101,18 @@ part() {
     step "$name" "$budget" python3 -m benchmarks.gpu_check "$@" --budget "$((left > 0 ? left : 0))"
     keep "$results"
 }
+offload_part() {
+    local budget=$1 left=$((DUE + $1 - (SECONDS - START) - 5 - 15))
+    step "part 3, 3.3B one-GPU recipe (benchmarks/results/gpu_offload_3_3b.*)" "$budget" \
+        python3 -m benchmarks.gpu_offload --budget "$((left > 0 ? left : 0))"
+    keep gpu_offload_3_3b
+}
+if [ "${1:-}" = offload ]; then
+    offload_part 440
+    summary
+fi
 part "part 1, steady-state speed (benchmarks/results/gpu_check.*)" 440 gpu_check trainings
+offload_part 0
 part "part 2, 600M memory table (benchmarks/results/gpu_memory_600m.*)" 0 \
     gpu_memory_600m memory
 summary

@@ -55,3 +55,16 @@ def test_the_gpu_checks_steady_state_and_profile_come_from_a_real_run(
     # 6 FLOPs per weight and token dominate: 600M-shaped, 4096 tokens of 30-token sentences
     flops = model_flops_per_update(4096, 4096 / 30)
     assert 6 * 615e6 * 4096 * 0.9 < flops < 6 * 615e6 * 4096 * 1.3
+    # each optimizer step's own time, inside the interval to the next update's step
+    steps, starts = record["step_seconds"], record["update_starts"]
+    assert len(steps) == 8 and all(step > 0 for step in steps)
+    assert all(step < later - earlier
+               for step, earlier, later in zip(steps, starts, starts[1:], strict=False))
+    # the 3.3B recipe's row (GPU check part 3) reads them as the host step's share
+    from benchmarks.gpu_offload import measured_row
+
+    row = measured_row(run, seconds=10.0, timeout=60.0, window=(3, 6))
+    assert row["status"] == "ok" and row["host_peak_rss_gib"] > 0.1
+    assert row["seconds_per_update"] == round((starts[5] - starts[1]) / 4, 2)
+    assert row["step_seconds"] == round(sum(steps[2:6]) / 4, 2)
+    assert 0 <= int(row["step_share"].rstrip("%")) < 100

@@ -3,7 +3,9 @@ thread count, and a one-line fallback to torch where it cannot be built."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fairseq_shard_plugin.sharding import native_adam, sharded_adam
 from fairseq_shard_plugin.sharding.native_adam import native_library
 from fairseq_shard_plugin.sharding.sharded_adam import ShardedAdam
 from launching.harness import REPO
@@ -140,3 +143,43 @@ def test_the_library_is_built_once_per_cache_and_reused(tmp_path: Path) -> None:
     modified = built[0].stat().st_mtime_ns
     _step_in_a_fresh_process(tmp_path)
     assert [p.stat().st_mtime_ns for p in built] == [modified]
+
+
+@pytest.fixture(scope="module")
+def portable_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """The same source built for any x86-64 (no AVX2): its one-value-at-a-time loops,
+    which CPUs without the vector instructions run (on this CPU only the tails do)."""
+    if platform.machine() != "x86_64":
+        pytest.skip("the portable build is checked on x86-64")
+    path = tmp_path_factory.mktemp("portable") / "native_adam.so"
+    flags = [flag for flag in native_adam.FLAGS if flag != "-march=native"]
+    subprocess.run(["cc", *flags, "-march=x86-64", "-o", str(path), str(native_adam.SOURCE)],
+                   check=True, capture_output=True)
+    library = ctypes.CDLL(str(path))
+    for name in ("adam_moment_maxima", "adam_update"):
+        getattr(library, name).restype = ctypes.c_int
+    return library
+
+
+@pytest.mark.parametrize("fp16_moments", [False, True])
+def test_the_portable_loops_give_the_vector_loops_bits(
+    portable_library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch, fp16_moments: bool
+) -> None:
+    shapes = [(1029,), (7, 3), (64,)]  # tails of every length the vector loops leave
+    vectors, vector_step = run(torch.bfloat16, native=True, fp16_moments=fp16_moments,
+                               shapes=shapes, factor=0.3)
+    monkeypatch.setattr(sharded_adam, "native_library", lambda: portable_library)
+    portable, portable_step = run(torch.bfloat16, native=True, fp16_moments=fp16_moments,
+                                  shapes=shapes, factor=0.3)
+    for a, b in zip(vectors, portable, strict=True):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(vector_step.state[a][key], portable_step.state[b][key])
+
+
+def test_odd_lengths_match_the_torch_step_within_a_rounding() -> None:
+    shapes = [(1029,), (7, 3), (5,)]
+    ours, _ = run(torch.float16, native=True, shapes=shapes, factor=0.3)
+    reference, _ = run(torch.float16, native=False, shapes=shapes, factor=0.3)
+    for a, b in zip(ours, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=0)  # one fp16 step at most

@@ -4,10 +4,11 @@ Measures any fairseq training, with or without the plugin, the same way: the pea
 CPU tensor bytes over the whole process (model construction, training, validation; the
 live-tensor meter, on CPU runs only unless ``--tensor-meter``: it puts every operation
 through Python), the peak resident set size, when each update's optimizer step began
-(``update_starts``, for steady-state speed), on a GPU CUDA's peak allocated and reserved
-bytes, and with ``--profile-updates FIRST-LAST`` a profile of those updates
-(``update_timing``). Each rank writes ``{"rank", "peak_bytes", "peak_rss_bytes",
-"update_starts"[, "profile"][, "cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes"]}``
+(``update_starts``, for steady-state speed) and how long it took (``step_seconds``), on a
+GPU CUDA's peak allocated and reserved bytes, and with ``--profile-updates FIRST-LAST`` a
+profile of those updates (``update_timing``). Each rank writes ``{"rank", "peak_bytes",
+"peak_rss_bytes", "update_starts", "step_seconds"[, "profile"][,
+"cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes"]}``
 as JSON to the ``--measure-out`` path, where ``{rank}`` is replaced by torchrun's rank.
 
 CUDA's peaks are whole-process peaks too: stock fairseq's ``Trainer.train_step`` resets
@@ -30,7 +31,13 @@ from typing import Any
 
 import torch
 
-from fairseq_shard_plugin.cli.update_timing import UpdateClock, UpdateProfile, at_every_update
+from fairseq_shard_plugin.cli.update_timing import (
+    StepDurations,
+    UpdateClock,
+    UpdateProfile,
+    after_every_update,
+    at_every_update,
+)
 from fairseq_shard_plugin.memory.meters import LiveTensorMeter, peak_rss_bytes
 
 USAGE = ("usage: fairseq-shard-measure-train --measure-out PATH_WITH_{rank}.json "
@@ -142,18 +149,24 @@ def main() -> None:
     clock = UpdateClock()
     profile = (UpdateProfile(*_profile_range(options["--profile-updates"]))
                if "--profile-updates" in options else None)
-    hook = at_every_update(clock, *([profile] if profile else []))
+    steps = StepDurations()
+    # the step's own timer starts last and ends first: the clock's and the profile's work
+    # is not counted in it
+    hooks = [at_every_update(clock, *([profile] if profile else []), steps.started),
+             after_every_update(steps.ended)]
     with cuda_peaks_across_resets() as cuda_peaks:
         try:
             with meter if meter is not None else contextlib.nullcontext():
                 cli_main()
         finally:
-            hook.remove()
+            for hook in hooks:
+                hook.remove()
             if profile is not None:
                 profile.finish()
             out.parent.mkdir(parents=True, exist_ok=True)
             record = {"rank": rank, "peak_bytes": meter.peak_bytes if meter else None,
-                      "peak_rss_bytes": peak_rss_bytes(), "update_starts": clock.starts}
+                      "peak_rss_bytes": peak_rss_bytes(), "update_starts": clock.starts,
+                      "step_seconds": steps.seconds}
             if profile is not None:
                 record["profile"] = profile.summary
             if cuda_peaks is not None:

@@ -2,7 +2,9 @@
 
 :class:`UpdateClock` notes when each of fairseq's ``Trainer.train_step`` calls starts (on a
 GPU after the work queued so far has finished, so each interval is one whole update), for
-steady-state speed over chosen updates instead of an epoch summary that includes start-up.
+steady-state speed over chosen updates instead of an epoch summary that includes start-up;
+:class:`StepDurations` how long each optimizer step itself took (with ``--cpu-offload``, the
+host's Adam step that the update waits for).
 
 :class:`UpdateProfile` runs ``torch.profiler`` over updates ``first``..``last`` and keeps
 what says where a step's time goes: the kernels that took the most device time, kernel
@@ -34,6 +36,23 @@ class UpdateClock:
     def __call__(self) -> None:
         _synchronize()
         self.starts.append(time.perf_counter())
+
+
+class StepDurations:
+    """Seconds each optimizer step took, from its start to its end (device work finished
+    at both ends); :meth:`started` and :meth:`ended` are the step's pre- and post-hooks."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def started(self) -> None:
+        _synchronize()
+        self._start = time.perf_counter()
+
+    def ended(self) -> None:
+        _synchronize()
+        self.seconds.append(time.perf_counter() - self._start)
 
 
 class UpdateProfile:
@@ -129,3 +148,10 @@ def at_every_update(*calls: Callable[[], None]) -> Any:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     return register_optimizer_step_pre_hook(hook)
+
+
+def after_every_update(call: Callable[[], None]) -> Any:
+    """Call ``call`` as every torch optimizer step ends (the global post-hook)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    return register_optimizer_step_post_hook(lambda optimizer, args, kwargs: call())

@@ -49,7 +49,7 @@ typedef struct {
 
 /* Conversions, 8 elements at a time with AVX2 and F16C where the CPU has them (on x86
  * without F16C, GCC converts _Float16 in software, far slower), one at a time otherwise. */
-#if defined(__AVX2__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define VECTOR_CONVERSIONS 1
 #endif
@@ -235,8 +235,8 @@ static inline void next_moments(const AdamGroup *group, int n, const float *rest
 
 /* The largest |exp_avg| and exp_avg_sq after this step, of elements [start, stop), as
  * bit patterns (largest[0], largest[1]). */
-static void maxima_range(const AdamTensor *t, const AdamGroup *group, int64_t start,
-                         int64_t stop, uint32_t *largest) {
+static void maxima_blocks(const AdamTensor *t, const AdamGroup *group, int64_t start,
+                          int64_t stop, uint32_t *largest) {
     float grads[BLOCK], avgs[BLOCK], avg_sqs[BLOCK], new_avgs[BLOCK], new_avg_sqs[BLOCK];
     int64_t offset;
     for (offset = start; offset < stop; offset += BLOCK) {
@@ -263,8 +263,8 @@ static inline void next_params(int n, float *restrict param, const float *restri
     }
 }
 
-static void update_range(const AdamTensor *t, const AdamGroup *group, int64_t start,
-                         int64_t stop) {
+static void update_blocks(const AdamTensor *t, const AdamGroup *group, int64_t start,
+                          int64_t stop) {
     float params[BLOCK], grads[BLOCK], avgs[BLOCK], avg_sqs[BLOCK];
     float new_avgs[BLOCK], new_avg_sqs[BLOCK];
     int64_t offset;
@@ -288,6 +288,147 @@ static void update_range(const AdamTensor *t, const AdamGroup *group, int64_t st
             write_scaled(t->exp_avg_sq, offset, n, t->scale_out[1], new_avg_sqs);
         }
     }
+}
+
+#ifdef VECTOR_CONVERSIONS
+/* The same step 8 elements at a time, each value kept in registers from load to store
+ * (the block loops above pass every value through L1 buffers several times). */
+static inline __m256 load8(const void *base, int dtype, int64_t at) {
+    if (dtype == F32)
+        return _mm256_loadu_ps((const float *)base + at);
+    __m128i halves = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
+    if (dtype == F16)
+        return _mm256_cvtph_ps(halves);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+
+static inline void store8(void *base, int dtype, int64_t at, __m256 values) {
+    if (dtype == F32) {
+        _mm256_storeu_ps((float *)base + at, values);
+    } else if (dtype == F16) {
+        _mm_storeu_si128((__m128i *)((uint16_t *)base + at),
+                         _mm256_cvtps_ph(values, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        float spilled[8];
+        _mm256_storeu_ps(spilled, values);
+        floats_to_bf16s(spilled, (uint16_t *)base + at, 8);
+    }
+}
+
+typedef struct {
+    __m256 multiplier, divisor, near_weight, coefficient, beta2;
+    int power_of_two, from_avg;
+} VectorMoments;
+
+static VectorMoments vector_moments(const AdamGroup *group) {
+    int exponent;
+    float weight = group->lerp_weight;
+    VectorMoments c;
+    c.power_of_two = frexpf(group->grad_divisor, &exponent) == 0.5f;
+    c.multiplier = _mm256_set1_ps(1.0f / group->grad_divisor);
+    c.divisor = _mm256_set1_ps(group->grad_divisor);
+    c.near_weight = _mm256_set1_ps(weight < 0.5f ? weight : weight - 1.0f);
+    c.from_avg = weight < 0.5f;
+    c.coefficient = _mm256_set1_ps(group->avg_sq_grad_coefficient);
+    c.beta2 = _mm256_set1_ps(group->beta2);
+    return c;
+}
+
+/* next_moments for 8 elements at `at`, with the same roundings. */
+static inline void moments8(const AdamTensor *t, const VectorMoments *c, int64_t at,
+                            __m256 *new_avg, __m256 *new_avg_sq) {
+    __m256 g = load8(t->grad, t->grad_dtype, at);
+    __m256 m = load8(t->exp_avg, t->moment_dtype, at);
+    __m256 v = load8(t->exp_avg_sq, t->moment_dtype, at);
+    if (t->moment_dtype != F32) {
+        m = _mm256_mul_ps(m, _mm256_set1_ps(t->scale_in[0]));
+        v = _mm256_mul_ps(v, _mm256_set1_ps(t->scale_in[1]));
+    }
+    g = c->power_of_two ? _mm256_mul_ps(g, c->multiplier) : _mm256_div_ps(g, c->divisor);
+    *new_avg = _mm256_fmadd_ps(c->near_weight, _mm256_sub_ps(g, m), c->from_avg ? m : g);
+    *new_avg_sq = _mm256_fmadd_ps(_mm256_mul_ps(c->coefficient, g), g,
+                                  _mm256_mul_ps(v, c->beta2));
+}
+
+/* maxima_range over the elements [start, stop) of a multiple of 8. */
+static void maxima_vectors(const AdamTensor *t, const AdamGroup *group, int64_t start,
+                           int64_t stop, uint32_t *largest) {
+    const VectorMoments c = vector_moments(group);
+    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+    __m256i top_avg = _mm256_setzero_si256(), top_avg_sq = _mm256_setzero_si256();
+    uint32_t lanes[8];
+    int64_t at;
+    int lane;
+    for (at = start; at < stop; at += 8) {
+        __m256 new_avg, new_avg_sq;
+        moments8(t, &c, at, &new_avg, &new_avg_sq);
+        top_avg = _mm256_max_epu32(
+            top_avg, _mm256_and_si256(_mm256_castps_si256(new_avg), magnitude));
+        top_avg_sq = _mm256_max_epu32(
+            top_avg_sq, _mm256_and_si256(_mm256_castps_si256(new_avg_sq), magnitude));
+    }
+    _mm256_storeu_si256((__m256i *)lanes, top_avg);
+    for (lane = 0; lane < 8; lane++)
+        largest[0] = lanes[lane] > largest[0] ? lanes[lane] : largest[0];
+    _mm256_storeu_si256((__m256i *)lanes, top_avg_sq);
+    for (lane = 0; lane < 8; lane++)
+        largest[1] = lanes[lane] > largest[1] ? lanes[lane] : largest[1];
+}
+
+/* update_range over the elements [start, stop) of a multiple of 8. */
+static void update_vectors(const AdamTensor *t, const AdamGroup *group, int64_t start,
+                           int64_t stop) {
+    const VectorMoments c = vector_moments(group);
+    const __m256 keep = _mm256_set1_ps(group->keep), step_down = _mm256_set1_ps(-t->step_size);
+    const __m256 correction = _mm256_set1_ps(t->bias_correction2_sqrt);
+    const __m256 eps = _mm256_set1_ps(t->eps), largest = _mm256_set1_ps(FP16_LARGEST);
+    const __m256 lowest = _mm256_set1_ps(-FP16_LARGEST);
+    const __m256 unscale_avg = _mm256_set1_ps(1.0f / t->scale_out[0]);
+    const __m256 unscale_avg_sq = _mm256_set1_ps(1.0f / t->scale_out[1]);
+    const int decays = group->keep != 1.0f;
+    int64_t at;
+    for (at = start; at < stop; at += 8) {
+        __m256 new_avg, new_avg_sq, denom;
+        __m256 p = load8(t->param, t->param_dtype, at);
+        moments8(t, &c, at, &new_avg, &new_avg_sq);
+        if (decays)
+            p = _mm256_mul_ps(p, keep);
+        denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(new_avg_sq), correction), eps);
+        p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(step_down, new_avg), denom));
+        store8(t->param, t->param_dtype, at, p);
+        if (t->moment_dtype == F32) {
+            store8(t->exp_avg, F32, at, new_avg);
+            store8(t->exp_avg_sq, F32, at, new_avg_sq);
+        } else {
+            __m256 avg = _mm256_mul_ps(new_avg, unscale_avg);
+            __m256 avg_sq = _mm256_mul_ps(new_avg_sq, unscale_avg_sq);
+            store8(t->exp_avg, F16, at, _mm256_max_ps(_mm256_min_ps(avg, largest), lowest));
+            store8(t->exp_avg_sq, F16, at,
+                   _mm256_max_ps(_mm256_min_ps(avg_sq, largest), lowest));
+        }
+    }
+}
+#endif
+
+/* Elements [start, stop) by vectors where the CPU has them, the rest (or all) by blocks. */
+static void maxima_range(const AdamTensor *t, const AdamGroup *group, int64_t start,
+                         int64_t stop, uint32_t *largest) {
+#ifdef VECTOR_CONVERSIONS
+    int64_t vectors_end = start + (stop - start) / 8 * 8;
+    maxima_vectors(t, group, start, vectors_end, largest);
+    start = vectors_end;
+#endif
+    maxima_blocks(t, group, start, stop, largest);
+}
+
+static void update_range(const AdamTensor *t, const AdamGroup *group, int64_t start,
+                         int64_t stop) {
+#ifdef VECTOR_CONVERSIONS
+    int64_t vectors_end = start + (stop - start) / 8 * 8;
+    update_vectors(t, group, start, vectors_end);
+    start = vectors_end;
+#endif
+    update_blocks(t, group, start, stop);
 }
 
 typedef struct {

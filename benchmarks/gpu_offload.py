@@ -1,0 +1,141 @@
+"""GPU check, part 3: the one-GPU 3.3B recipe at world size 1, a few updates, measured.
+
+``configs/nllb/finetune_3_3b_1gpu.yaml``'s settings (``hardware/one_24gb_gpu.yaml``: the
+model state on the host in 16 bits under ``--cpu-offload``, fp16 Adam moments, activation
+checkpointing, the chunked loss; 4,096 tokens per step) on the NLLB-200 3.3B shape spelled
+out in fairseq's flags (24+24 layers, d 2048, ffn 8192, 16 heads, shared embeddings,
+vocabulary 256,206), randomly initialised (the recipe fine-tunes released weights: the
+same shapes and state). One step per update here, where the recipe accumulates 4: the host
+step is the same per update, the forward and backward 4 times as many.
+
+Recorded, for the README's estimates of this recipe: CUDA's peak allocated and reserved
+(goal at most 8 GiB), the host's peak RSS (goal at most 48 GiB), seconds per update over
+updates 3-6, and the share of it that is the optimizer step (the host's Adam step, from
+``fairseq-shard-measure-train``'s ``step_seconds``).
+
+    python -m benchmarks.gpu_offload [--budget S]   # results/gpu_offload_3_3b.{md,json}
+    python -m benchmarks.gpu_offload --dry-run      # on CPU, tiny model, temporary results
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.gpu_check import (
+    CHUNKED_LOSS,
+    GIB,
+    NLLB_VOCABULARY,
+    PLUGIN_TASK,
+    CommandSeen,
+    describe_launcher,
+    pad_dictionary,
+    predicted_peak_gib,
+)
+from launching import harness
+from launching.harness import REPO, run_training, training_args, transformer_args, write_results
+
+NAME = "gpu_offload_3_3b"
+MODEL = transformer_args(dim=2048, ffn=8192, layers=24, heads=16)
+RECIPE = ["--cpu-offload", "--memory-efficient-fp16", "--fp16-adam-stats",
+          "--checkpoint-activations", *CHUNKED_LOSS, *PLUGIN_TASK]
+UPDATES, WINDOW = 6, (3, 6)
+COLUMNS = [("run", "run"), ("status", "status"),
+           ("CUDA peak allocated / reserved (GiB)", "cuda_peak_gib"),
+           ("host peak RSS (GiB)", "host_peak_rss_gib"),
+           ("predicted device peak (GiB)", "predicted_peak_gib"),
+           ("s per update", "seconds_per_update"), ("host step (s)", "step_seconds"),
+           ("host step share", "step_share"), ("final loss", "final_loss")]
+
+
+def measured_row(run: harness.RunResult | None, seconds: float, timeout: float,
+                 window: tuple[int, int]) -> dict:
+    """The row of one run: its peaks, and its updates ``window`` timed."""
+    if run is None:
+        return {"status": "not started: no time left"}
+    memory = run.memory[0] if run.memory else {}
+    status = ("ok" if run.returncode == 0 else f"timed out after {timeout:.0f} s"
+              if seconds >= timeout - 1 else f"failed (exit {run.returncode})")
+    row: dict = {"status": status, "seconds": round(seconds, 1),
+                 "predicted_peak_gib": predicted_peak_gib(run.output)}
+    for key in ("cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes", "peak_rss_bytes"):
+        if memory.get(key) is not None:
+            row[key.replace("bytes", "gib")] = round(memory[key] / GIB, 2)
+    if "cuda_peak_allocated_gib" in row:
+        row["cuda_peak_gib"] = (f"{row['cuda_peak_allocated_gib']} / "
+                                f"{row['cuda_peak_reserved_gib']}")
+    row["host_peak_rss_gib"] = row.get("peak_rss_gib")
+    starts, steps = memory.get("update_starts") or [], memory.get("step_seconds") or []
+    first, last = window
+    if len(starts) >= last and len(steps) >= last:
+        # update u's step starts at starts[u - 1]: updates first..last lie between the
+        # steps of update first - 1 and update last
+        per_update = (starts[last - 1] - starts[first - 2]) / (last - first + 1)
+        step = sum(steps[first - 1:last]) / (last - first + 1)
+        row.update(seconds_per_update=round(per_update, 2), step_seconds=round(step, 2),
+                   step_share=f"{100 * step / per_update:.0f}%")
+    losses = run.series("train_inner", "loss")
+    row["final_loss"] = losses[-1] if losses else None
+    if run.returncode != 0:
+        row["error_tail"] = run.output[-2000:]
+    return row
+
+
+def offload(budget: float, dry_run: bool) -> str:
+    """One run of the recipe (or a tiny one on CPU); its row written; the table returned."""
+    from fairseq_shard_plugin.cli.synthetic_data import make_corpus
+
+    deadline = time.monotonic() + budget
+    if dry_run:
+        work = Path(tempfile.mkdtemp(prefix="gpu_offload_dry_"))
+        data = make_corpus(work / "data", vocab=200, train=400, valid=20, max_len=12)
+        model, tokens = transformer_args(dim=32, ffn=64, layers=1, heads=2), 256
+        recipe = [{"--memory-efficient-fp16": "--memory-efficient-bf16"}.get(flag, flag)
+                  for flag in RECIPE if flag != "--fp16-adam-stats"]
+    else:
+        work = REPO / "demo_work" / "gpu_offload"
+        data = make_corpus(work, vocab=16000, train=20000, valid=200, max_len=60)
+        pad_dictionary(data, NLLB_VOCABULARY)
+        model, tokens, recipe = MODEL, 4096, RECIPE
+    args = training_args(data, work / "run", max_update=UPDATES, max_tokens=tokens,
+                         cpu=dry_run)
+    args += model + recipe + ["--no-save", "--disable-validation"]
+    timeout = deadline - time.monotonic()
+    seen, run, seconds = CommandSeen(), None, 0.0
+    if timeout >= 20:
+        start = time.monotonic()
+        run = run_training(args, nproc=1, plugin=True, measure_dir=work / "memory",
+                           cuda=True, timeout=timeout, check=False, watch=seen)
+        seconds = time.monotonic() - start
+    row = {"run": "3.3B, the one-GPU recipe's settings, world size 1",
+           "launcher": describe_launcher(seen.command) if seen.command else "not started",
+           **measured_row(run, seconds, timeout, WINDOW)}
+    for _, key in COLUMNS:
+        row.setdefault(key, None)
+    note = ("Produced by `bash benchmarks/gpu_check.sh offload` (`python -m "
+            "benchmarks.gpu_offload`): the NLLB-200 3.3B shape (24+24 layers, d 2048, ffn "
+            f"8192, vocabulary {NLLB_VOCABULARY:,}) with configs/nllb/finetune_3_3b_1gpu.yaml's "
+            f"settings ({' '.join(RECIPE)}), world size 1, {tokens:,} tokens per update, one "
+            f"step per update (the recipe accumulates 4), {UPDATES} updates, random weights. "
+            f"Seconds per update and the optimizer's (host) step over updates {WINDOW[0]}-"
+            f"{WINDOW[1]}; CUDA peaks over the whole run; host: the process's peak RSS.")
+    return write_results(NAME, [row], COLUMNS, note)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget", type=float, default=420,
+                        help="seconds: the run is stopped by then")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="on CPU with a tiny model, results in a temporary directory")
+    options = parser.parse_args(argv)
+    if options.dry_run:
+        harness.RESULTS = Path(tempfile.mkdtemp(prefix="gpu_offload_results_"))
+        print(f"gpu_offload: dry run, results in {harness.RESULTS}", flush=True)
+    print(offload(options.budget, options.dry_run))
+
+
+if __name__ == "__main__":
+    main()
