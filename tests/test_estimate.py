@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import json
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -303,8 +304,16 @@ def cli(
                 str(PLUGIN_DIR), "--ddp-backend", "fully_sharded", "--optimizer", "adam",
                 "--criterion", "label_smoothed_cross_entropy", "--max-tokens", "512", "--bf16",
                 "--checkpoint-activations", "--keep-vocabulary-gathered"]
+    # the plugin as `pip install .` leaves it: imported from elsewhere than the --user-dir
+    installed = tmp_path_factory.mktemp("site")
+    shutil.copytree(PLUGIN_DIR, installed / PLUGIN_DIR.name,
+                    ignore=shutil.ignore_patterns("__pycache__"))
     return run_concurrently({
         "training command": [str(SCRIPT), "--world-size", "4", "--json", "--", *training],
+        "installed copy": ["env", f"PYTHONPATH={installed}", sys.executable, "-P", "-c",
+                           "import sys; from fairseq_shard_plugin.cli.estimate import main; "
+                           "print(sys.modules['fairseq_shard_plugin'].__file__); main()",
+                           "--world-size", "4", "--json", "--", *training],
         "table": [str(SCRIPT), *TINY, "--vocab", "1000", "--max-tokens", "256", "--fp16",
                   "--memory-budget", "0.05"],
         "json": [str(SCRIPT), *TINY, "--vocab", "1000", "--max-tokens", "256",
@@ -369,6 +378,21 @@ def test_a_training_command_is_estimated_as_the_trainer_describes_it(
             "the training command after --: argument --arch/-a: invalid choice: "
             "'no_such_arch'") + "$"):
         flags_from_training_command([], [str(corpus), "--arch", "no_such_arch"])
+
+
+@pytest.mark.e2e
+def test_a_user_dir_naming_another_copy_of_the_plugin_is_estimated_alike(
+    cli: dict[str, subprocess.CompletedProcess]
+) -> None:
+    """After ``pip install .``, ``--user-dir fairseq_shard_plugin`` from the repository
+    names another copy than the one running; fairseq refuses that as "not globally unique"
+    unless the estimator leaves its own user dir out."""
+    completed = cli["installed copy"]
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert not completed.stdout.startswith(str(PLUGIN_DIR))  # the copy ran
+    report = json.loads(completed.stdout[completed.stdout.index("{\n"):])
+    expected = cli["training command"].stdout
+    assert report == json.loads(expected[expected.index("{\n"):])
 
 
 @pytest.mark.e2e

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import warnings
 from typing import Any
 
@@ -58,7 +59,8 @@ def _parse_training_command(train_argv: list[str]) -> Any:
     complaint = io.StringIO()
     try:
         with contextlib.redirect_stderr(complaint):
-            args = options.parse_args_and_arch(options.get_training_parser(), train_argv)
+            args = options.parse_args_and_arch(options.get_training_parser(),
+                                               _without_own_user_dir(train_argv))
     except SystemExit:
         lines = complaint.getvalue().strip().splitlines()
         reason = lines[-1].split("error: ", 1)[-1] if lines else "not a fairseq-train command"
@@ -68,6 +70,28 @@ def _parse_training_command(train_argv: list[str]) -> Any:
     with warnings.catch_warnings():  # Hydra's deprecation notices of fairseq's compose call
         warnings.simplefilter("ignore")
         return convert_namespace_to_omegaconf(args)
+
+
+def _without_own_user_dir(train_argv: list[str]) -> list[str]:
+    """``train_argv`` without a ``--user-dir`` naming this plugin: it is imported already
+    (its registrations are made), and fairseq refuses a user dir whose package name is
+    imported from elsewhere, as after ``pip install .`` with ``--user-dir
+    fairseq_shard_plugin`` given from the repository root."""
+    package = __name__.split(".")[0]
+
+    def own(path: str) -> bool:
+        return os.path.basename(os.path.normpath(path)) == package
+
+    kept: list[str] = []
+    flags = iter(train_argv)
+    for flag in flags:
+        if flag == "--user-dir":
+            path = next(flags, "")
+            if not own(path):
+                kept += [flag, path]
+        elif not (flag.startswith("--user-dir=") and own(flag.split("=", 1)[1])):
+            kept.append(flag)
+    return kept
 
 
 def flags_from_training_command(estimator_flags: list[str], train_argv: list[str]
