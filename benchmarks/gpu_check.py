@@ -473,6 +473,20 @@ def memory_one(argv: list[str]) -> None:
     memory.main(argv)
 
 
+def parse_part_options(parser: argparse.ArgumentParser, argv: list[str], budget: float,
+                       name: str) -> argparse.Namespace:
+    """A part's ``--budget`` and ``--dry-run`` (whose results go to a temporary folder)."""
+    parser.add_argument("--budget", type=float, default=budget,
+                        help="seconds for the part: no run starts past it")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="on CPU with a tiny model, results in a temporary directory")
+    options = parser.parse_args(argv)
+    if options.dry_run:
+        harness.RESULTS = Path(tempfile.mkdtemp(prefix=f"{name}_results_"))
+        print(f"{name}: dry run, results in {harness.RESULTS}", flush=True)
+    return options
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["memory-one"]:
@@ -480,14 +494,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("part", nargs="?", choices=("trainings", "memory"), default="trainings")
-    parser.add_argument("--budget", type=float, default=len(RUNS) * RUN_TIMEOUT,
-                        help="seconds for the part: no run starts past it")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="on CPU with a tiny model, results in a temporary directory")
-    options = parser.parse_args(argv)
-    if options.dry_run:
-        harness.RESULTS = Path(tempfile.mkdtemp(prefix="gpu_check_results_"))
-        print(f"gpu_check: dry run, results in {harness.RESULTS}", flush=True)
+    options = parse_part_options(parser, argv, len(RUNS) * RUN_TIMEOUT, "gpu_check")
     if options.part == "memory":
         memory_part(options.budget, options.dry_run)
     else:

@@ -32,6 +32,7 @@ from benchmarks.gpu_check import (
     CommandSeen,
     describe_launcher,
     pad_dictionary,
+    parse_part_options,
     predicted_peak_gib,
 )
 from launching import harness
@@ -126,14 +127,7 @@ def offload(budget: float, dry_run: bool) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=float, default=420,
-                        help="seconds: the run is stopped by then")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="on CPU with a tiny model, results in a temporary directory")
-    options = parser.parse_args(argv)
-    if options.dry_run:
-        harness.RESULTS = Path(tempfile.mkdtemp(prefix="gpu_offload_results_"))
-        print(f"gpu_offload: dry run, results in {harness.RESULTS}", flush=True)
+    options = parse_part_options(parser, argv, 420, "gpu_offload")
     print(offload(options.budget, options.dry_run))
 
 
