@@ -25,6 +25,7 @@ setup(
             "fairseq-shard-consolidate=fairseq_shard_plugin.cli.consolidate:main",
             "fairseq-shard-verify=fairseq_shard_plugin.cli.verify:main",
             "fairseq-shard-estimate=fairseq_shard_plugin.cli.estimate:main",
+            "fairseq-shard-prepare-nllb-branch=fairseq_shard_plugin.cli.nllb_branch:main",
         ],
     },
 )
