@@ -63,7 +63,10 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    optimizer when its state fits (fairseq's Trainer asserts the class names match and has
    no hook in between; ``stock_optimizer_state``). Every load also gets ``langs`` as a
    list where an earlier version saved the ``--langs`` file's path (the nllb branch's
-   loader refuses the string). Other loads pass through unchanged.
+   loader refuses the string), and the model config as the ``argparse.Namespace``
+   fairseq's legacy architectures expect where the plugin wrote it as a dict (so that
+   ``torch.load(weights_only=True)`` reads the file without the plugin:
+   ``portable.with_plain_config``). Other loads pass through unchanged.
    fairseq 0.12 reads the file through an open file object (``torch.load(f)``), which
    copies the whole checkpoint into each process's own memory: N ranks of a host held N
    copies of released weights. While the wrapper runs fairseq's function, the ``torch``
@@ -137,7 +140,7 @@ from fairseq.file_io import PathManager
 
 from fairseq_shard_plugin.checkpoint.atomic_files import WriteError, copy_atomically
 from fairseq_shard_plugin.checkpoint.errors import save_failure
-from fairseq_shard_plugin.checkpoint.portable import languages_as_lists
+from fairseq_shard_plugin.checkpoint.portable import languages_as_lists, with_model_namespace
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.memory.metrics import MaxMeter
@@ -385,8 +388,8 @@ class _TorchMappingCheckpoints(types.ModuleType):
         path = getattr(f, "name", None)
         if isinstance(path, str) and os.path.isfile(path) and not args \
                 and set(kwargs) <= {"map_location"}:
-            return read_checkpoint(path, kwargs.get("map_location", "cpu"))
-        return torch.load(f, *args, **kwargs)
+            return with_model_namespace(read_checkpoint(path, kwargs.get("map_location", "cpu")))
+        return with_model_namespace(torch.load(f, *args, **kwargs))
 
 
 @contextlib.contextmanager
@@ -427,7 +430,7 @@ def _keeping_fp32_masters(stock_load_cpu: Callable[..., Any]) -> Callable[..., A
     def torch_load_cpu(path: str) -> Any:
         from fairseq_shard_plugin.checkpoint.sharded import is_sharded_index
 
-        state = read_checkpoint(path)
+        state = with_model_namespace(read_checkpoint(path))
         if active_trainer_loader() or not isinstance(state, dict) or is_sharded_index(state):
             return state  # fp32 masters for the trainer; shard references stay references
         common = (state.get("cfg") or {}).get("common") or {}

@@ -322,18 +322,23 @@ def test_stock_fairseq_without_the_plugin_reads_the_export(
 ) -> None:
     """Users hand exports to stock tools: stock fairseq-generate, in a process that never
     imports the plugin (no --user-dir), on torch's default weights_only loading, translates
-    the export exactly as fairseq-generate with the plugin does."""
+    the export exactly as fairseq-generate with the plugin does. torch alone also reads
+    the training checkpoint (its config in plain containers; it names the plugin's task)."""
     export_path = uninterrupted[1] / "export" / "model.pt"
+    last = uninterrupted[1] / "checkpoint_last.pt"
     stock = [part for part in generate_command(corpus, export_path)
              if part not in ("--user-dir", str(PLUGIN_DIR))]
     probe = (f"import sys, torch; state = torch.load({str(export_path)!r}); "
              "print(state['cfg']['task']['_name'], state['cfg']['model']['_name']); "
+             f"last = torch.load({str(last)!r}); "
+             "print(last['cfg']['task']['_name'], type(last['cfg']['model']).__name__); "
              "assert 'fairseq_shard_plugin' not in sys.modules")
     finished = run_concurrently({"stock": stock,
                                  "plugin": generate_command(corpus, export_path),
                                  "load": [sys.executable, "-c", probe]})
     assert finished["load"].returncode == 0, finished["load"].stderr[-2000:]
-    assert finished["load"].stdout.split() == ["translation", "transformer"]
+    assert finished["load"].stdout.split() == ["translation", "transformer",
+                                               "sharded_translation", "dict"]
     assert "fairseq_shard_plugin" not in finished["stock"].stderr
     assert hypotheses(finished["stock"]) == hypotheses(finished["plugin"])
 

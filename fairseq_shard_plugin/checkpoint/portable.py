@@ -42,6 +42,9 @@ STOCK_CRITERIA = {"chunked_label_smoothed_cross_entropy": "label_smoothed_cross_
 # architectures the plugin registers (tasks.nllb_architectures): transformers by stock name
 PLUGIN_ARCHITECTURES = ("nllb_dense_600m", "nllb_dense_1_3b", "nllb_dense_3_3b",
                         "transformer_12_12", "transformer_24_24", "transformer_24_24_big")
+# a checkpoint's top-level key (fairseq reads only the keys it knows): its cfg.model was a
+# Namespace, written as a dict (with_plain_config)
+MODEL_WAS_NAMESPACE = "fairseq_shard_plugin_model_cfg_was_namespace"
 # the plugin's options (task or model config) and the chunked criterion's own
 PLUGIN_KEYS = frozenset({f.name for f in dataclasses.fields(ShardingConfig)
                          if not f.name.startswith("_")} | {"loss_chunk_tokens"})
@@ -101,9 +104,37 @@ def languages_as_lists(state: Any) -> Any:
     return state
 
 
+def with_plain_config(state: dict[str, Any]) -> dict[str, Any]:
+    """A training checkpoint's ``state`` with its ``cfg`` in plain containers, so that
+    ``torch.load(weights_only=True)`` reads it without the plugin. A model config that was
+    an ``argparse.Namespace`` (fairseq's legacy architectures read any attribute of it) is
+    marked, and :func:`with_model_namespace` makes it one again when the plugin loads the
+    file; names and metrics stay as they are (it resumes and generates with
+    ``--user-dir``, as any checkpoint that names the plugin's task)."""
+    cfg = state.get("cfg")
+    if not isinstance(cfg, dict):
+        return state
+    marked = {MODEL_WAS_NAMESPACE: True} if isinstance(cfg.get("model"),
+                                                       argparse.Namespace) else {}
+    return {**state, "cfg": plain(cfg), **marked}
+
+
+def with_model_namespace(state: Any) -> Any:
+    """``state`` as fairseq wrote it before :func:`with_plain_config`: a marked model config
+    an ``argparse.Namespace`` again."""
+    if not isinstance(state, dict) or not state.get(MODEL_WAS_NAMESPACE):
+        return state
+    state = {key: value for key, value in state.items() if key != MODEL_WAS_NAMESPACE}
+    cfg = state.get("cfg")
+    if isinstance(cfg, dict) and isinstance(cfg.get("model"), dict):
+        state["cfg"] = {**cfg, "model": argparse.Namespace(**cfg["model"])}
+    return state
+
+
 def portable_state(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` (an inference checkpoint's, tensors untouched) as stock fairseq reads it."""
     state = languages_as_lists(dict(state))
+    state.pop(MODEL_WAS_NAMESPACE, None)  # its model config stays a dict here
     cfg = state.get("cfg")
     if cfg is None and isinstance(state.get("args"), argparse.Namespace):  # before fairseq 0.10
         from fairseq.dataclass.utils import convert_namespace_to_omegaconf

@@ -29,7 +29,7 @@ from fairseq_shard_plugin.checkpoint.errors import (
     refuse_to_skip_fairscale_shards,
     state_dict_shapes,
 )
-from fairseq_shard_plugin.checkpoint.portable import languages_as_lists
+from fairseq_shard_plugin.checkpoint.portable import languages_as_lists, with_plain_config
 from fairseq_shard_plugin.checkpoint.sharded import ShardedCheckpointError
 from fairseq_shard_plugin.checkpoint.space import full_state_bytes, space_report
 from fairseq_shard_plugin.checkpoint.trainer_files import (
@@ -276,9 +276,10 @@ class ShardedTrainer(Trainer):
 
         def stock_state() -> dict[str, Any]:
             if "filename" not in inspect.signature(Trainer.state_dict).parameters:
-                return languages_as_lists(Trainer.state_dict(self))
-            (state,) = Trainer.state_dict(self, filename, training_finished).values()
-            return languages_as_lists(state)
+                state = Trainer.state_dict(self)
+            else:
+                (state,) = Trainer.state_dict(self, filename, training_finished).values()
+            return with_plain_config(languages_as_lists(state))
 
         return checkpoint_state(self, stock_state)
 
