@@ -33,7 +33,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    is made findable there; otherwise resuming would fail on its name.
 4. ``distributed_utils.call_main``: fairseq derives world size and device from CUDA, which
    breaks torchrun on CPU (see ``launch_env``); the wrapper also drops the ``--tpu`` that
-   fairseq's parser implies from ``--bf16``, rejects unworkable sharded configurations
+   fairseq's parser implies from ``--bf16``, takes fairseq's ``--use-sharded-state`` as the
+   plugin's sharded format (cleared, so fairseq's ``-shard0`` names are never used),
+   rejects unworkable sharded configurations
    with a one-line error before any process group or data is touched, and turns a
    checkpoint that cannot be loaded into a one-line error naming the file and the mismatch.
    Under ``--export-consolidated PATH`` it also runs, after training on rank 0, the export
@@ -144,7 +146,11 @@ from fairseq_shard_plugin.checkpoint.portable import languages_as_lists, with_mo
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.memory.metrics import MaxMeter
-from fairseq_shard_plugin.sharding.options import options_given, sharding_options
+from fairseq_shard_plugin.sharding.options import (
+    options_given,
+    sharding_options,
+    take_use_sharded_state,
+)
 from fairseq_shard_plugin.sharding.precision import untie_bf16_from_tpu
 from fairseq_shard_plugin.training.launch_env import apply_torchrun_environment
 from fairseq_shard_plugin.training.private_state import with_private_loaded_state
@@ -292,6 +298,10 @@ def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[
                         f"{cfg.distributed_training.ddp_backend})")
                 return stock_call_main(cfg, main, **kwargs)
             untie_bf16_from_tpu(cfg)
+            if take_use_sharded_state(cfg) and distributed_utils.is_master(
+                    cfg.distributed_training):
+                logger.info("--use-sharded-state: checkpoints in the plugin's sharded format "
+                            "(each rank writes its shards; checkpoint_last.pt indexes them)")
             check_sharded_config(cfg)
             check_batch_size(cfg)
             return stock_call_main(cfg, _TrainThenExport(main), **kwargs)

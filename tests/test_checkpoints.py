@@ -127,7 +127,10 @@ def crashes(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     first = {p.name: p.read_bytes() for p in save_dir.glob("*.pt")}
     first_shards = sorted(p.name for p in (save_dir / SHARDS_DIR).iterdir()
                           if is_plugin_shard_directory(p))
-    during_copy = crash_training("during-copy", 30, args(corpus, save_dir, *SHARDED))
+    # resumed with fairseq's own flag for per-rank files, which the recipes pass: the same
+    # format (fairseq's `-shard0` names would not find the update-20 checkpoint)
+    during_copy = crash_training("during-copy", 30, args(corpus, save_dir,
+                                                         "--use-sharded-state"))
     return {"after_save": after_save, "during_copy": during_copy, "save_dir": save_dir,
             "files_after_first_crash": first, "shards_after_first_crash": first_shards,
             "scratch": scratch}
@@ -138,6 +141,9 @@ def test_shards_on_a_symlinked_scratch_disk_train_resume_and_leave_its_other_fil
 ) -> None:
     scratch = crashes["scratch"]
     assert "Loaded checkpoint" in crashes["during_copy"].output
+    assert crashes["during_copy"].output.count(
+        "--use-sharded-state: checkpoints in the plugin's sharded format") == 1
+    assert not list(crashes["save_dir"].glob("*-shard*.pt"))
     for name in ("photos", "u5-abc"):
         assert (scratch / name / "kept.txt").read_text() == name
     assert {p.name.split("-")[0] for p in scratch.iterdir()} >= {"u10", "u20", "u30"}

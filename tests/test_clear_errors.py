@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,7 +48,6 @@ REFUSED = {
 CHECKED = {
     "--store-ema": ["--store-ema"],
     "--zero-sharding": ["--zero-sharding", "os"],
-    "--use-sharded-state": ["--use-sharded-state"],
     "--base-layers": ["--base-layers", "1"],
     "--fp32-reduce-scatter and --reduce-in-16-bit": [
         "--task", "sharded_translation", "--fp32-reduce-scatter", "--reduce-in-16-bit"],
@@ -107,6 +107,29 @@ def test_unworkable_options_are_named_in_one_line(corpus: Path, named: str) -> N
         check_sharded_config(sharded_config(corpus, "--cpu", "--optimizer", "adam",
                                             *CHECKED[named]))
     assert "\n" not in str(refused.value)
+
+
+def test_use_sharded_state_is_taken_as_the_sharded_format(corpus: Path) -> None:
+    """fairseq's --use-sharded-state (its recipes pass it): the plugin's sharded format,
+    fairseq's flag cleared (its `-shard0` file names never used); with a format or engine
+    that contradicts it, one line."""
+    from fairseq_shard_plugin.sharding.options import checkpoint_format, take_use_sharded_state
+
+    def config(*flags: str) -> Any:
+        return sharded_config(corpus, "--cpu", "--optimizer", "adam", "--use-sharded-state",
+                              *flags)
+
+    for task in ([], ["--task", "sharded_translation"]):  # a stock task's config too
+        cfg = config(*task)
+        assert take_use_sharded_state(cfg)
+        assert checkpoint_format(cfg) == "sharded"
+        assert not cfg.distributed_training.use_sharded_state
+    contradictions = {"--checkpoint-format full": ["--checkpoint-format", "full"],
+                      "--shard-engine fsdp2": ["--shard-engine", "fairscale"]}
+    for named, flags in contradictions.items():
+        with pytest.raises(ShardingConfigError, match=re.escape(named)) as refused:
+            take_use_sharded_state(config("--task", "sharded_translation", *flags))
+        assert "\n" not in str(refused.value)
 
 
 def test_stock_fsdp_flags_the_plugin_does_not_use_are_named(corpus: Path) -> None:

@@ -130,6 +130,33 @@ class ShardingConfig(FairseqDataclass):
     )
 
 
+def take_use_sharded_state(cfg: Any) -> bool:
+    """fairseq's ``--use-sharded-state`` (fairscale's per-rank files, which fairseq's recipes
+    and GPU tests pass) taken as the plugin's sharded format: ``--checkpoint-format
+    sharded`` set where it was ``auto``, and fairseq's flag cleared so that fairseq names
+    and saves checkpoints as usual (the plugin's index and shard files). True when taken;
+    a ShardingConfigError where the run asks for another format or engine."""
+    from omegaconf import open_dict
+
+    from fairseq_shard_plugin.errors import ShardingConfigError
+
+    if not cfg.distributed_training.use_sharded_state:
+        return False
+    options = sharding_options(cfg.task)
+    if options.checkpoint_format == "full":
+        raise ShardingConfigError(
+            "--use-sharded-state asks for per-rank checkpoint files, --checkpoint-format full "
+            "for one: remove one of them")
+    if options.shard_engine != "fsdp2":
+        raise ShardingConfigError(
+            "--use-sharded-state is the sharded checkpoint format, which needs --shard-engine "
+            "fsdp2: remove it to save one full checkpoint with the fairscale engine")
+    with open_dict(cfg.task):
+        cfg.task.checkpoint_format = "sharded"
+    cfg.distributed_training.use_sharded_state = False
+    return True
+
+
 def checkpoint_format(cfg: Any) -> str:
     """``--checkpoint-format`` of the run, ``auto`` resolved (see its help): ``full`` or
     ``sharded``."""

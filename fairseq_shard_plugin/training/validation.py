@@ -171,11 +171,6 @@ def _check_restore_file(checkpoint_cfg: Any) -> None:
 def _check_parallelism_and_launch(cfg: Any) -> None:
     """Other parallelism, fairscale's checkpoint format, and how CPU ranks are started."""
     common, dist_cfg = cfg.common, cfg.distributed_training
-    if dist_cfg.use_sharded_state:
-        raise ShardingConfigError(
-            "--use-sharded-state is fairscale's checkpoint format: remove it (for per-rank "
-            "shards use --checkpoint-format sharded)"
-        )
     if common.model_parallel_size > 1 or dist_cfg.pipeline_model_parallel:
         raise ShardingConfigError(
             "model/pipeline parallelism cannot be combined with --ddp-backend fully_sharded: "
