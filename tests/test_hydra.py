@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -60,13 +61,19 @@ def test_tiny_config_trains_on_two_cpu_ranks_with_overrides(corpus: Path, tmp_pa
 
 
 DENSE = ["dense_600m", "dense_1_3b", "dense_3_3b"]
+FINETUNE = ["finetune_600m", "finetune_1_3b", "finetune_3_3b"]
+# a smaller model of the same family, as a user tries a config first: no key needs `+`
+SHRUNK = ["model.encoder_layers=2", "model.decoder_layers=2", "model.encoder_embed_dim=64"]
+SIZE_KEYS = ("encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim",
+             "encoder_ffn_embed_dim", "decoder_ffn_embed_dim", "encoder_attention_heads",
+             "decoder_attention_heads")
 
 
 @pytest.fixture(scope="module")
 def composed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess]:
     """``--cfg job`` of each dense config, composed concurrently."""
     return run_concurrently(
-        {config: hydra_command(config, "task.data=/data/nllb", "--cfg", "job")
+        {config: hydra_command(config, "task.data=/data/nllb", *SHRUNK, "--cfg", "job")
          for config in DENSE}, cwd=tmp_path_factory.mktemp("compose"))
 
 
@@ -78,9 +85,26 @@ def test_dense_configs_compose(
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert f"_name: nllb_{config}" in completed.stdout
     assert "ddp_backend: fully_sharded" in completed.stdout
+    job = OmegaConf.create(completed.stdout)
+    assert (job.model.encoder_layers, job.model.encoder_embed_dim) == (2, 64)
 
 
-FINETUNE = ["finetune_600m", "finetune_1_3b", "finetune_3_3b"]
+@pytest.mark.parametrize("config", [*DENSE, *FINETUNE])
+def test_the_listed_sizes_are_the_architectures_own(config: str) -> None:
+    """The configs list the architecture's sizes (for overrides without `+`): the values
+    its registered function sets, so listing them changes no model."""
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    from fairseq_shard_plugin.tasks import register
+
+    register()
+    model = OmegaConf.load(CONFIGS / f"{config}.yaml").model
+    built = argparse.Namespace()
+    ARCH_CONFIG_REGISTRY[model._name](built)
+    assert {key: model[key] for key in SIZE_KEYS} == {key: getattr(built, key)
+                                                      for key in SIZE_KEYS}
+
+
 RELEASED = "/models/nllb-200/checkpoint.pt"
 
 
@@ -93,7 +117,7 @@ def composed_finetune(
     unset = ["env", "-u", "FINETUNE_FROM_MODEL"]
     commands = {config: [*unset, *hydra_command(
         config, "task.data=/data/nllb", f"checkpoint.finetune_from_model={RELEASED}",
-        "--cfg", "job", "--resolve")] for config in FINETUNE}
+        *SHRUNK, "--cfg", "job", "--resolve")] for config in FINETUNE}
     commands["not given"] = [*unset, *hydra_command(
         "finetune_600m", "task.data=/data/nllb", "--cfg", "job", "--resolve")]
     commands["one gpu"] = [*unset, *hydra_command(
@@ -135,6 +159,7 @@ def test_finetune_configs_compose_with_the_recipes_finetuning_values(
     assert not any(job.checkpoint[f"reset_{part}"]
                    for part in ("optimizer", "lr_scheduler", "meters", "dataloader"))
     assert job.model._name == "nllb_" + config.replace("finetune", "dense")
+    assert (job.model.encoder_layers, job.model.encoder_embed_dim) == (2, 64)  # no `+`
     assert job.task._name == "sharded_translation_multi_simple_epoch"
     assert job.task.add_data_source_prefix_tags is True
     assert job.distributed_training.ddp_backend == "fully_sharded"
