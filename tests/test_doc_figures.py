@@ -1,0 +1,128 @@
+"""Figures quoted in the README and docs are those of the committed result files (each
+produced by the command printed next to it), so that none can go stale silently: a new
+benchmark run that changes a figure fails here until the prose says the same."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from launching.harness import REPO, tool
+
+RESULTS = REPO / "benchmarks" / "results"
+
+# README's memory table: row label (its start) -> (result file, configuration)
+README_MEMORY_ROWS = {
+    "unsharded": ("memory", "unsharded"),
+    "stock policy": ("memory", "stock-policy"),
+    "plugin (per-layer units": ("memory", "plugin"),
+    "+ `--criterion chunked_label_smoothed_cross_entropy`": ("memory", "plugin+chunked-loss"),
+    "+ `--checkpoint-activations`": ("memory", "plugin+chunked-loss+ac"),
+    "+ `--reduce-vocabulary-in-16-bit`": (
+        "memory", "plugin+chunked-loss+ac+16-bit-vocab-reduce"),
+    "+ `--keep-vocabulary-gathered`": (
+        "memory", "plugin+chunked-loss+ac+16-bit-vocab-reduce+vocab-gathered"),
+    "+ `--memory-efficient-bf16`": ("memory_16_bit_state", "nllb-settings+16-bit-params"),
+    "+ `--fp16-adam-stats`": ("memory_16_bit_state", "nllb-settings+16-bit-state"),
+    "chunked loss + checkpointing + `--cpu-offload`": (
+        "memory", "plugin+chunked-loss+ac+offload"),
+}
+
+
+def rows(name: str) -> list[dict]:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def figures(text: str) -> list[float]:
+    return [float(value) for value in re.findall(r"\d+\.\d+", text.replace("**", ""))]
+
+
+def test_the_readmes_memory_table_is_the_measured_one() -> None:
+    table = [line for line in (REPO / "README.md").read_text().splitlines()
+             if line.startswith("| ") and not line.startswith(("| configuration", "|---"))]
+    seen = set()
+    for line in table:
+        label, peak, device = [cell.strip() for cell in line.strip("|").split("|")]
+        matches = [key for key in README_MEMORY_ROWS if label.startswith(key)]
+        if not matches:
+            continue
+        name, configuration = README_MEMORY_ROWS[matches[0]]
+        measured = next(row for row in rows(name) if row["configuration"] == configuration)
+        assert figures(peak)[0] == round(measured["peak_gib"], 2), label
+        assert figures(device)[0] == round(measured["device_gib"], 2), label
+        seen.add(matches[0])
+    assert seen == set(README_MEMORY_ROWS)
+
+
+def host_adam(implementation: str, threads: int) -> float:
+    row = next(row for row in rows("host_adam")
+               if row["implementation"] == implementation and row["threads"] == threads)
+    return row["ns_per_element"]
+
+
+# docs/nllb.md's paragraph on the host's Adam step: quoted pairs (one thread, two threads)
+HOST_ADAM_PAIRS = {
+    "fairseq's Adam": "fairseq Adam (fp32)",
+    "the plugin's": "plugin ShardedAdam (fp32)",
+    "(bf16 parameters, fp16 moments)": "plugin, bf16 params + fp16 moments, C step",
+    "against": "plugin, bf16 params + fp16 moments, torch step",
+    "for\n`torch.compile`": "torch.compile, bf16 params + fp16 moments",
+    "`DeepSpeedCPUAdam`": "DeepSpeed CPUAdam (fp32)",
+}
+
+
+@pytest.mark.parametrize("doc", ["docs/nllb.md", "docs/precision.md"])
+def test_the_host_adam_figures_are_the_measured_ones(doc: str) -> None:
+    text = (REPO / doc).read_text()
+    start = text.index("ns per element" if doc.endswith("nllb.md") else "NLLB-600M\nat")
+    paragraph = text[start - 400:start + 1400]
+    quoted = set(figures(paragraph))
+    implementations = (HOST_ADAM_PAIRS.values() if doc.endswith("nllb.md") else
+                       ["plugin, bf16 params + fp16 moments, C step",
+                        "plugin, bf16 params + fp16 moments, torch step",
+                        "plugin ShardedAdam (fp32)"])
+    for implementation in implementations:
+        for threads in (1, 2):
+            assert host_adam(implementation, threads) in quoted, (implementation, threads)
+
+
+def test_the_offload_doc_quotes_the_host_adam_figures() -> None:
+    text = (REPO / "docs" / "multi-node-and-offload.md").read_text()
+    assert f"{host_adam('plugin ShardedAdam (fp32)', 2)} against " \
+           f"{host_adam('fairseq Adam (fp32)', 2)} ns per element" in text
+    assert f"{host_adam('plugin, bf16 params + fp16 moments, C step', 2)} ns per element" in text
+
+
+def test_every_result_file_a_doc_links_exists() -> None:
+    """Links from the README and docs into benchmarks/results point at committed files."""
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#]*benchmarks/results/[^)#]+)\)", doc.read_text()):
+            assert (doc.parent / target).resolve().exists(), (doc.name, target)
+
+
+def test_figures_in_docs_name_their_command() -> None:
+    """Each result file a doc quotes says in its Markdown how it was produced."""
+    for markdown in RESULTS.glob("*.md"):
+        text = markdown.read_text()
+        assert "python" in text or "make " in text or "bash " in text, markdown.name
+
+
+@pytest.mark.e2e
+def test_the_readmes_one_gpu_figures_are_the_estimators() -> None:
+    """The README quotes `fairseq-shard-estimate --config configs/nllb/finetune_3_3b_1gpu.yaml
+    --world-size 1`: the GPU peak, and the host while training and while saving."""
+    done = subprocess.run([tool("fairseq-shard-estimate"), "--config",
+                           str(REPO / "configs/nllb/finetune_3_3b_1gpu.yaml"),
+                           "--world-size", "1", "--json"],
+                          capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(done.stdout[done.stdout.index("{"):])
+    cases = report["host"]["cases"]
+    readme = " ".join((REPO / "README.md").read_text().split())
+    expected = (f"**{report['configurations']['requested']['peak_gib']:.2f} GiB on the GPU** "
+                f"at 4,096 tokens, {cases['training step']['per_rank_gib']:.1f} GiB on the host "
+                f"while training ({cases['save, sharded format']['per_rank_gib']:.1f} while "
+                "saving)")
+    assert expected in readme
