@@ -126,3 +126,18 @@ def test_the_readmes_one_gpu_figures_are_the_estimators() -> None:
                 f"while training ({cases['save, sharded format']['per_rank_gib']:.1f} while "
                 "saving)")
     assert expected in readme
+
+
+def test_the_readmes_other_figures_are_the_measured_ones() -> None:
+    readme = " ".join((REPO / "README.md").read_text().split())
+    plugin, stock = rows("demo")[:2]  # python -m benchmarks.demo --out benchmarks/results
+    assert plugin["run"].startswith("plugin") and stock["run"].startswith("stock")
+    rss = round(100 * (1 - plugin["peak_rss_mib_per_rank"] / stock["peak_rss_mib_per_rank"]))
+    tensors = round(100 * (1 - plugin["peak_mib_per_rank"] / stock["peak_mib_per_rank"]))
+    assert f"per rank {rss}% less peak RSS and {tensors}% less peak tensor memory" in readme
+    gpu = {row["configuration"]: row["device_gib"]
+           for row in rows("gpu-2026-12-04/gpu_memory_600m")}
+    assert (f"{gpu['nllb-settings+16-bit-state']:.2f} GiB per rank with the recipe's 16-bit "
+            f"state, {gpu['stock-policy']:.2f} with stock's policy") in readme
+    (one_rank,) = rows("memory_1_3b_one_rank")
+    assert f"Measured at 1.3B on one rank: {one_rank['device_gib']:.2f} GiB" in readme
