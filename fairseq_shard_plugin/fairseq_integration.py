@@ -107,6 +107,14 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
     plugin's (``checkpoint.literal_specs``) evaluates literals joined by ``+`` and ``*``
     only. Speech models' feature-extractor specs still go through the builtin.
 
+11. ``argparse.ArgumentParser.error``, for fairseq's commands' parsers only (``fairseq-*``
+    with ``--user-dir``): fairseq's parser answers a mistyped flag with its whole usage (186
+    lines for ``fairseq-train``), once per rank under torchrun. Once the plugin is loaded
+    (it is imported while fairseq parses, before the final parse), the mistake is one line
+    from rank 0, with the closest option when there is one (``did you mean
+    --keep-vocabulary-gathered?``), and the same exit status 2; other parsers keep
+    argparse's behaviour.
+
 Signatures that differ between fairseq 0.12 and the nllb branch (extra keyword arguments of
 ``fsdp_enable_wrap``, ``save_checkpoint``, ``load_checkpoint_to_cpu``, ``Trainer.state_dict``
 and ``Trainer.save_checkpoint``) are passed through, so both work.
@@ -121,10 +129,13 @@ with one line naming its version.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import difflib
 import importlib
 import logging
 import os
+import re
 import signal
 import sys
 import types
@@ -464,6 +475,31 @@ def _importing_the_plugin_once(stock_import: Callable[..., Any]) -> Callable[...
     return _marked(import_user_module, stock_import)
 
 
+def _short_parser_errors(stock_error: Callable[..., Any]) -> Callable[..., Any]:
+    """Replaces ``argparse.ArgumentParser.error`` (hook 11)."""
+
+    def error(parser: argparse.ArgumentParser, message: str) -> Any:
+        options = getattr(parser, "_option_string_actions", {})
+        if "--user-dir" not in options or not parser.prog.startswith("fairseq-"):
+            return stock_error(parser, message)  # not a fairseq command's parser
+        message, _, listed = message.partition(" (choose from ")
+        if listed:  # an invalid choice: the closest of the choices, not all of them
+            given = re.findall(r"invalid choice: '([^']*)'", message)
+            wrong, candidates = (given or [""])[0], re.findall(r"'([^']*)'", listed)
+        else:
+            wrong = " ".join(re.findall(r"(?<!\S)(--?[\w-]+)",
+                                        message.partition("arguments:")[2]))
+            candidates = list(options)
+        hints = [f"did you mean {close[0]}?" for word in wrong.split()
+                 if (close := difflib.get_close_matches(word, candidates, n=1, cutoff=0.8))]
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            hint = f" ({'; '.join(hints)})" if hints else f" ({parser.prog} --help lists them)"
+            parser.exit(2, f"{parser.prog}: error: {message}{hint}\n")
+        parser.exit(2)
+
+    return _marked(error, stock_error)
+
+
 def _saving_on_signal(stock_validate_and_save: Callable[..., Any]) -> Callable[..., Any]:
     def validate_and_save(cfg: Any, trainer: Any, task: Any, epoch_itr: Any,
                           valid_subsets: Any, end_of_epoch: bool, *args: Any,
@@ -593,3 +629,6 @@ def install() -> None:
         checkpoint_utils.save_checkpoint = _with_atomic_copies(checkpoint_utils.save_checkpoint)
     if not _is_plugin_hook(distributed_utils.call_main):
         distributed_utils.call_main = _with_launcher_environment(distributed_utils.call_main)
+    if not _is_plugin_hook(argparse.ArgumentParser.error):
+        argparse.ArgumentParser.error = _short_parser_errors(  # type: ignore[method-assign]
+            argparse.ArgumentParser.error)

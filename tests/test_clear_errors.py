@@ -66,6 +66,7 @@ CHECKED = {
                   "--export-consolidated", str(Path(__file__) / "model.pt")],
 }
 ONE_RANK = ["--no-save"]
+TYPO = "--keep-vocabulary-gatherd"
 # the last update's save writes no file: no last checkpoint, no validation (no best), not
 # at an epoch's end; the ranks must still agree on building the state (this hung before)
 NOTHING_TO_WRITE = ["--task", "sharded_translation", "--no-last-checkpoints",
@@ -78,15 +79,18 @@ def launches(
 ) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """Every case's finished ``fairseq-train`` and its --save-dir, all run concurrently."""
     cases = dict(REFUSED, one_rank=ONE_RANK, fairscale_shards=[],
-                 nothing_to_write=NOTHING_TO_WRITE)
+                 nothing_to_write=NOTHING_TO_WRITE, typo=["--task", "sharded_translation", TYPO])
     save_dirs = {name: tmp_path_factory.mktemp("refused") / "save" for name in cases}
     save_dirs["fairscale_shards"].mkdir()
     (save_dirs["fairscale_shards"] / "checkpoint_last-shard0.pt").write_bytes(b"stock run")
-    finished = run_concurrently({
+    commands = {
         name: [tool("fairseq-train"), *training_args(corpus, save_dirs[name], 2), *TINY,
                "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded", *extra]
-        for name, extra in cases.items()})
-    return {name: (finished[name], save_dirs[name]) for name in cases}
+        for name, extra in cases.items()}
+    commands["typo on rank 1"] = ["env", "RANK=1", *commands["typo"]]
+    save_dirs["typo on rank 1"] = save_dirs["typo"]
+    finished = run_concurrently(commands)
+    return {name: (finished[name], save_dirs[name]) for name in commands}
 
 
 @pytest.mark.parametrize("names", list(REFUSED))
@@ -99,6 +103,20 @@ def test_refused_before_training_with_the_flag_named(
     assert last_line.startswith("fairseq-shard-plugin: error: ") and names in last_line
     assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
     assert not save_dir.exists()
+
+
+def test_a_mistyped_flag_is_one_line_naming_the_closest_option(
+    launches: dict[str, tuple[subprocess.CompletedProcess, Path]]
+) -> None:
+    """Not fairseq's 186-line usage, once per rank: one line from rank 0 (hook 11)."""
+    completed, _ = launches["typo"]
+    assert completed.returncode == 2
+    assert [line for line in completed.stderr.splitlines() if "error:" in line] == [
+        f"fairseq-train: error: unrecognized arguments: {TYPO} "
+        "(did you mean --keep-vocabulary-gathered?)"]
+    assert "usage:" not in completed.stderr
+    other_rank, _ = launches["typo on rank 1"]
+    assert other_rank.returncode == 2 and "error:" not in other_rank.stderr
 
 
 @pytest.mark.parametrize("named", list(CHECKED))
