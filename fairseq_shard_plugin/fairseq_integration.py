@@ -493,7 +493,8 @@ def _short_parser_errors(stock_error: Callable[..., Any]) -> Callable[..., Any]:
         hints = [f"did you mean {close[0]}?" for word in wrong.split()
                  if (close := difflib.get_close_matches(word, candidates, n=1, cutoff=0.8))]
         if int(os.environ.get("RANK", "0") or 0) == 0:
-            hint = f" ({'; '.join(hints)})" if hints else f" ({parser.prog} --help lists them)"
+            hint = (f" ({'; '.join(hints)})" if hints else f" ({parser.prog} --help lists them)"
+                    if listed or "unrecognized arguments" in message else "")
             parser.exit(2, f"{parser.prog}: error: {message}{hint}\n")
         parser.exit(2)
 
