@@ -72,8 +72,25 @@ def test_a_shape_mismatch_in_either_format_is_named(checkpoint: Path) -> None:
     shapes["encoder.layers.0.fc1.weight"] = torch.Size([12, 4])
     line = describe_checkpoint_problem(str(checkpoint), shapes, RuntimeError("size mismatch"))
     assert line == (f"{checkpoint}: does not match the model: encoder.layers.0.fc1.weight has "
-                    "shape [6, 4] in the checkpoint and [12, 4] in the model (a different "
-                    "architecture?)")
+                    "shape [6, 4] in the checkpoint and [12, 4] in the model")
+
+
+@pytest.mark.parametrize("extra", [3, -3], ids=["tags in the model", "tags in the checkpoint"])
+def test_three_dictionary_entries_apart_name_the_data_source_tags_flag(
+    checkpoint: Path, extra: int
+) -> None:
+    """A fine-tune against a checkpoint without (or with) the nllb branch's 3 data-source
+    tags differs by exactly 3 embedding rows: the line names the flag to change."""
+    shapes = {name: tensor.shape for name, tensor in
+              torch.load(checkpoint, weights_only=True)["model"].items()}
+    rows, dim = shapes["encoder.embed_tokens.weight"]
+    shapes["encoder.embed_tokens.weight"] = torch.Size([rows + extra, dim])
+    line = describe_checkpoint_problem(str(checkpoint), shapes, RuntimeError("size mismatch"))
+    assert line.startswith(f"{checkpoint}: does not match the model: encoder.embed_tokens."
+                           f"weight has shape [{rows}, {dim}] in the checkpoint and "
+                           f"[{rows + extra}, {dim}] in the model: 3 more dictionary entries")
+    assert line.endswith("remove that flag" if extra > 0 else "add that flag")
+    assert "--add-data-source-prefix-tags" in line
 
 
 @pytest.mark.parametrize("content", [os.urandom(256), b""], ids=["random", "empty"])

@@ -113,17 +113,35 @@ def describe_checkpoint_problem(
     return f"{filename}: could not be loaded: {first_cause(error)}"
 
 
+# the nllb branch's data-source tags (tasks.multilingual_config.DATA_SOURCE_PREFIX_TAGS),
+# appended to the dictionary by --add-data-source-prefix-tags
+DATA_SOURCE_TAGS = 3
+
+
+def _shape_hint(name: str, saved: tuple[int, ...], model: tuple[int, ...]) -> str:
+    """What the shapes themselves say (nothing is guessed): the data-source tags' rows."""
+    if "embed_tokens" not in name and "output_projection" not in name:
+        return ""
+    extra = model[0] - saved[0]
+    if saved[1:] == model[1:] and abs(extra) == DATA_SOURCE_TAGS:
+        if extra > 0:
+            return (": 3 more dictionary entries in the model, the data-source tags of "
+                    "--add-data-source-prefix-tags, which the checkpoint's run did not "
+                    "use: remove that flag")
+        return (": 3 more dictionary entries in the checkpoint, the data-source tags its "
+                "run added with --add-data-source-prefix-tags: add that flag")
+    return ""
+
+
 def describe_shape_mismatch(
     filename: str, saved: dict[str, tuple[int, ...]], model_shapes: dict[str, Any]
 ) -> str | None:
     """One line naming the first parameter whose name or shape differs, else None."""
     for name, shape in model_shapes.items():
         if name in saved and tuple(saved[name]) != tuple(shape):
-            hint = " (a different vocabulary/dictionary?)" if "embed_tokens" in name else (
-                " (a different architecture?)")
             return (f"{filename}: does not match the model: {name} has shape "
                     f"{list(saved[name])} in the checkpoint and {list(shape)} in the "
-                    f"model{hint}")
+                    f"model{_shape_hint(name, tuple(saved[name]), tuple(shape))}")
     missing = sorted(set(model_shapes) - set(saved))
     unexpected = sorted(set(saved) - set(model_shapes))
     if missing or unexpected:
