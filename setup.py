@@ -26,6 +26,7 @@ setup(
             "fairseq-shard-verify=fairseq_shard_plugin.cli.verify:main",
             "fairseq-shard-estimate=fairseq_shard_plugin.cli.estimate:main",
             "fairseq-shard-prepare-nllb-branch=fairseq_shard_plugin.cli.nllb_branch:main",
+            "fairseq-shard-user-dir=fairseq_shard_plugin.cli.user_dir:main",
         ],
     },
 )

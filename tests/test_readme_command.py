@@ -5,6 +5,8 @@ the console scripts."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,18 @@ def test_the_readmes_walkthrough_runs_from_data_to_translations(tmp_path: Path) 
     # FSDP2's warning about views returned by fairseq's transformer classes (harmless: the
     # sharded losses and norms are stock's) no longer fills the screen
     assert "returned a view tensor" not in output
+
+
+def test_the_user_dir_command_names_a_folder_fairseq_loads_from_anywhere(tmp_path: Path) -> None:
+    """The README's `--user-dir "$(fairseq-shard-user-dir)"`, from a directory that is not
+    the checkout (where `--user-dir fairseq_shard_plugin` names nothing for an editable
+    install)."""
+    printed = subprocess.run([tool("fairseq-shard-user-dir")], cwd=tmp_path, check=True,
+                             capture_output=True, text=True).stdout.strip()
+    assert (Path(printed) / "fairseq_integration.py").is_file()
+    probe = ("import argparse, sys; from fairseq import utils; "
+             f"utils.import_user_module(argparse.Namespace(user_dir={printed!r})); "
+             "print('fairseq_shard_plugin.tasks.sharded_translation' in sys.modules)")
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, check=True,
+                            capture_output=True, text=True)
+    assert loaded.stdout.strip().splitlines()[-1] == "True"
