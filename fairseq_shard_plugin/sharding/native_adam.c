@@ -3,7 +3,7 @@
  * Built on first use by native_adam.py (plain C, no torch headers: about a second).
  * ShardedAdam calls it through ctypes for CPU shards that are 16-bit anywhere
  * (parameters, gradients or moments), where torch would need fp32 copies and several
- * passes. Two passes per step:
+ * passes. Two passes per step with scaled fp16 moments, the second alone otherwise:
  *
  *   adam_moment_maxima: the largest |new exp_avg| and new exp_avg_sq of each tensor, which
  *                       the scaled fp16 moments need before any of them is written
@@ -16,6 +16,8 @@
  * sqrt(1 - beta2^t), which puts it before the bias correction as fairseq does). Both
  * passes compute the moments with the same inline function; -ffp-contract=off keeps them
  * bit-identical (the fused multiply-adds are written out).
+ * With AVX2, F16C and FMA each value stays in registers from load to store; elsewhere (and
+ * for the last few elements) blocks of values pass through L1 buffers, with the same bits.
  * Work is split by element over `threads` pthreads (the caller is one of them).
  */
 #include <math.h>
@@ -34,7 +36,7 @@ typedef struct {
     int64_t numel;
     int32_t param_dtype, grad_dtype, moment_dtype;  /* moments: F32, or F16 scaled */
     float scale_in[2];    /* stored x scale_in = moment (1 for fp32 moments) */
-    float scale_out[2];   /* moment / scale_out = stored (update, fp16 moments) */
+    float scale_out[2];   /* moment x (1 / scale_out) = stored (update, fp16 moments) */
     float step_size;      /* lr / (1 - beta1^t) */
     float bias_correction2_sqrt;
     float eps;            /* already divided by bias_correction2_sqrt */
