@@ -666,8 +666,7 @@ def test_checkpoints_reload_exactly_from_2_to_4_to_1_ranks_and_bad_ones_change_n
     assert ("fc1.weight has shape [128, 64] in the checkpoint and [256, 64] in the model"
             in on_one["other_arch"]["error"])
     vocab = re.search(r"embed_tokens.weight has shape \[(\d+), 64\] in the checkpoint and "
-                      r"\[(\d+), 64\] in the model \(a different vocabulary",
-                      on_one["other_vocab"]["error"])
+                      r"\[(\d+), 64\] in the model$", on_one["other_vocab"]["error"])
     assert vocab and int(vocab.group(2)) == int(vocab.group(1)) + 1, on_one["other_vocab"]
 
 
