@@ -235,9 +235,7 @@ def steady_state(run: harness.RunResult, window: tuple[int, int] = STEADY) -> di
     first, last = window
     if len(starts) < last or any(update not in logged for update in range(first, last + 1)):
         return {}
-    # optimizer step u starts at starts[u - 1]: updates first..last lie between the steps
-    # of update first - 1 and update last (their forward and backward, and those steps)
-    seconds = starts[last - 1] - starts[first - 2]
+    seconds = window_seconds(starts, window)
     updates = range(first, last + 1)
     words = sum(float(logged[u]["wpb"]) for u in updates)
     sentences = sum(float(logged[u]["bsz"]) for u in updates)
@@ -245,6 +243,45 @@ def steady_state(run: harness.RunResult, window: tuple[int, int] = STEADY) -> di
     return {"steady_words_per_second": round(words / seconds, 1),
             "ms_per_update": round(1000 * seconds / len(updates), 1),
             "model_flops_per_second": flops / seconds}
+
+
+def run_status(run: harness.RunResult, seconds: float, timeout: float) -> str:
+    """``ok``, ``timed out after ...`` or ``failed (exit N)``."""
+    if run.returncode == 0:
+        return "ok"
+    if seconds >= timeout - 1:
+        return f"timed out after {timeout:.0f} s"
+    return f"failed (exit {run.returncode})"
+
+
+def window_seconds(starts: list[float], window: tuple[int, int]) -> float:
+    """Wall seconds of updates ``window`` (first..last) from the optimizer steps' start
+    times: update u's step starts at ``starts[u - 1]``, so those updates lie between the
+    steps of update first - 1 and update last."""
+    first, last = window
+    return starts[last - 1] - starts[first - 2]
+
+
+def check_data(name: str, dry_run: bool) -> tuple[Path, Path]:
+    """A part's work folder and its data: the synthetic corpus with the dictionary padded
+    to NLLB's vocabulary, or a tiny one in a temporary folder for a dry run."""
+    from fairseq_shard_plugin.cli.synthetic_data import make_corpus
+
+    if dry_run:
+        work = Path(tempfile.mkdtemp(prefix=f"{name}_dry_"))
+        data = make_corpus(work / "data", vocab=200, train=400, valid=20, max_len=12)
+        pad_dictionary(data, 1000)
+    else:
+        work = REPO / "demo_work" / name
+        data = make_corpus(work, vocab=16000, train=20000, valid=200, max_len=60)
+        pad_dictionary(data, NLLB_VOCABULARY)
+    return work, data
+
+
+def on_cpu(flags: list[str]) -> list[str]:
+    """A dry run's flags: CPU ranks compute in bf16, not fp16 (and keep fp32 moments)."""
+    return [{"--memory-efficient-fp16": "--memory-efficient-bf16"}.get(flag, flag)
+            for flag in flags if flag not in ("--fp16", "--fp16-adam-stats")]
 
 
 def training_row(run_spec: Run, run: harness.RunResult | None, launcher: str,
@@ -255,12 +292,7 @@ def training_row(run_spec: Run, run: harness.RunResult | None, launcher: str,
                 "tokens": run_spec.tokens}
     memory = run.memory[0] if run.memory else {}
     plugin_lines = len(PLUGIN_LOG_LINE.findall(run.output))
-    if run.returncode == 0:
-        status = "ok"
-    elif seconds >= timeout - 1:
-        status = f"timed out after {timeout:.0f} s"
-    else:
-        status = f"failed (exit {run.returncode})"
+    status = run_status(run, seconds, timeout)
     if not plugin and plugin_lines:
         status += f"; NOT STOCK: {plugin_lines} plugin log lines"
     losses = run.series("train_inner", "loss")
@@ -307,18 +339,11 @@ def trainings(budget: float, dry_run: bool) -> None:
     """Part 1: the trainings, in order of importance (the budget may end the list early);
     results rewritten after each."""
     deadline = Deadline(budget)
-    from fairseq_shard_plugin.cli.synthetic_data import make_corpus
-
+    work, data = check_data("gpu_check", dry_run)
     if dry_run:
-        work = Path(tempfile.mkdtemp(prefix="gpu_check_dry_"))
-        data = make_corpus(work / "data", vocab=200, train=400, valid=20, max_len=12)
-        pad_dictionary(data, 1000)
         model, updates, window, profiled = (transformer_args(dim=32, ffn=64, layers=1, heads=2),
                                             8, (4, 7), (5, 6))
     else:
-        work = REPO / "demo_work" / "gpu_check"
-        data = make_corpus(work, vocab=16000, train=20000, valid=200, max_len=60)
-        pad_dictionary(data, NLLB_VOCABULARY)
         model, updates, window, profiled = MODEL, STEADY[1], STEADY, PROFILED
     peak = None if dry_run else peak_flops()
     note = ("Produced by `bash benchmarks/gpu_check.sh` on one GPU: the NLLB-600M shape (12+12 "
@@ -341,8 +366,7 @@ def trainings(budget: float, dry_run: bool) -> None:
                              max_tokens=256 if dry_run else spec.tokens, cpu=dry_run)
         args += model + spec.flags + ["--no-save", "--disable-validation"]
         if dry_run:  # CPU: no fp16 compute, gloo
-            args = [{"--memory-efficient-fp16": "--memory-efficient-bf16"}.get(arg, arg)
-                    for arg in args if arg not in ("--fp16", "--fp16-adam-stats")]
+            args = on_cpu(args)
             if not spec.plugin:
                 args += ["--distributed-backend", "gloo"]
         timeout = min(RUN_TIMEOUT * (2 if spec.tokens > 4096 else 1), deadline.left())

@@ -20,9 +20,7 @@ updates 3-6, and the share of it that is the optimizer step (the host's Adam ste
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
-from pathlib import Path
 
 from benchmarks.gpu_check import (
     CHUNKED_LOSS,
@@ -30,13 +28,16 @@ from benchmarks.gpu_check import (
     NLLB_VOCABULARY,
     PLUGIN_TASK,
     CommandSeen,
+    check_data,
     describe_launcher,
-    pad_dictionary,
+    on_cpu,
     parse_part_options,
     predicted_peak_gib,
+    run_status,
+    window_seconds,
 )
 from launching import harness
-from launching.harness import REPO, run_training, training_args, transformer_args, write_results
+from launching.harness import run_training, training_args, transformer_args, write_results
 
 NAME = "gpu_offload_3_3b"
 MODEL = transformer_args(dim=2048, ffn=8192, layers=24, heads=16)
@@ -57,9 +58,7 @@ def measured_row(run: harness.RunResult | None, seconds: float, timeout: float,
     if run is None:
         return {"status": "not started: no time left"}
     memory = run.memory[0] if run.memory else {}
-    status = ("ok" if run.returncode == 0 else f"timed out after {timeout:.0f} s"
-              if seconds >= timeout - 1 else f"failed (exit {run.returncode})")
-    row: dict = {"status": status, "seconds": round(seconds, 1),
+    row: dict = {"status": run_status(run, seconds, timeout), "seconds": round(seconds, 1),
                  "predicted_peak_gib": predicted_peak_gib(run.output)}
     for key in ("cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes", "peak_rss_bytes"):
         if memory.get(key) is not None:
@@ -71,9 +70,7 @@ def measured_row(run: harness.RunResult | None, seconds: float, timeout: float,
     starts, steps = memory.get("update_starts") or [], memory.get("step_seconds") or []
     first, last = window
     if len(starts) >= last and len(steps) >= last:
-        # update u's step starts at starts[u - 1]: updates first..last lie between the
-        # steps of update first - 1 and update last
-        per_update = (starts[last - 1] - starts[first - 2]) / (last - first + 1)
+        per_update = window_seconds(starts, window) / (last - first + 1)
         step = sum(steps[first - 1:last]) / (last - first + 1)
         row.update(seconds_per_update=round(per_update, 2), step_seconds=round(step, 2),
                    step_share=f"{100 * step / per_update:.0f}%")
@@ -86,19 +83,12 @@ def measured_row(run: harness.RunResult | None, seconds: float, timeout: float,
 
 def offload(budget: float, dry_run: bool) -> str:
     """One run of the recipe (or a tiny one on CPU); its row written; the table returned."""
-    from fairseq_shard_plugin.cli.synthetic_data import make_corpus
-
     deadline = time.monotonic() + budget
+    work, data = check_data("gpu_offload", dry_run)
     if dry_run:
-        work = Path(tempfile.mkdtemp(prefix="gpu_offload_dry_"))
-        data = make_corpus(work / "data", vocab=200, train=400, valid=20, max_len=12)
         model, tokens = transformer_args(dim=32, ffn=64, layers=1, heads=2), 256
-        recipe = [{"--memory-efficient-fp16": "--memory-efficient-bf16"}.get(flag, flag)
-                  for flag in RECIPE if flag != "--fp16-adam-stats"]
+        recipe = on_cpu(RECIPE)
     else:
-        work = REPO / "demo_work" / "gpu_offload"
-        data = make_corpus(work, vocab=16000, train=20000, valid=200, max_len=60)
-        pad_dictionary(data, NLLB_VOCABULARY)
         model, tokens, recipe = MODEL, 4096, RECIPE
     args = training_args(data, work / "run", max_update=UPDATES, max_tokens=tokens,
                          cpu=dry_run)

@@ -35,6 +35,14 @@ def activate() -> None:
     install()
 
 
+def names_this_plugin(user_dir: str) -> bool:
+    """Whether a ``--user-dir`` value names this package (any copy of it, by its folder's
+    name, as fairseq's ``import_user_module`` imports it)."""
+    import os
+
+    return os.path.basename(os.path.normpath(user_dir)) == __name__
+
+
 def _imported_as_user_dir() -> bool:
     """True when fairseq's ``import_user_module`` is importing this package (``--user-dir``,
     ``common.user_dir``): the only import that should activate the plugin by itself."""

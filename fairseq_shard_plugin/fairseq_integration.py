@@ -151,6 +151,7 @@ import fairseq_cli.train as train_cli
 import torch.distributed as dist
 from fairseq.file_io import PathManager
 
+from fairseq_shard_plugin import names_this_plugin
 from fairseq_shard_plugin.checkpoint.atomic_files import WriteError, copy_atomically
 from fairseq_shard_plugin.checkpoint.errors import save_failure
 from fairseq_shard_plugin.checkpoint.portable import languages_as_lists, with_model_namespace
@@ -467,8 +468,7 @@ def _importing_the_plugin_once(stock_import: Callable[..., Any]) -> Callable[...
 
     def import_user_module(args: Any) -> Any:
         user_dir = getattr(args, "user_dir", None)
-        package = __name__.split(".")[0]
-        if user_dir and os.path.basename(os.path.normpath(user_dir)) == package:
+        if user_dir and names_this_plugin(user_dir):
             return None  # imported already: this module is part of it
         return stock_import(args)
 

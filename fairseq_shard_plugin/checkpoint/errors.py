@@ -125,11 +125,12 @@ def _shape_hint(name: str, saved: tuple[int, ...], model: tuple[int, ...]) -> st
     extra = model[0] - saved[0]
     if saved[1:] == model[1:] and abs(extra) == DATA_SOURCE_TAGS:
         if extra > 0:
-            return (": 3 more dictionary entries in the model, the data-source tags of "
-                    "--add-data-source-prefix-tags, which the checkpoint's run did not "
-                    "use: remove that flag")
-        return (": 3 more dictionary entries in the checkpoint, the data-source tags its "
-                "run added with --add-data-source-prefix-tags: add that flag")
+            return (f": {DATA_SOURCE_TAGS} more dictionary entries in the model, the "
+                    "data-source tags of --add-data-source-prefix-tags, which the "
+                    "checkpoint's run did not use: remove that flag")
+        return (f": {DATA_SOURCE_TAGS} more dictionary entries in the checkpoint, the "
+                "data-source tags its run added with --add-data-source-prefix-tags: add "
+                "that flag")
     return ""
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import warnings
 from typing import Any
 
+from fairseq_shard_plugin import names_this_plugin
 from fairseq_shard_plugin.memory.estimate import EstimateError, build_without_memory, parser
 from fairseq_shard_plugin.memory.model import ModelShape
 
@@ -77,19 +77,14 @@ def _without_own_user_dir(train_argv: list[str]) -> list[str]:
     (its registrations are made), and fairseq refuses a user dir whose package name is
     imported from elsewhere, as after ``pip install .`` with ``--user-dir
     fairseq_shard_plugin`` given from the repository root."""
-    package = __name__.split(".")[0]
-
-    def own(path: str) -> bool:
-        return os.path.basename(os.path.normpath(path)) == package
-
     kept: list[str] = []
     flags = iter(train_argv)
     for flag in flags:
         if flag == "--user-dir":
             path = next(flags, "")
-            if not own(path):
+            if not names_this_plugin(path):
                 kept += [flag, path]
-        elif not (flag.startswith("--user-dir=") and own(flag.split("=", 1)[1])):
+        elif not (flag.startswith("--user-dir=") and names_this_plugin(flag.split("=", 1)[1])):
             kept.append(flag)
     return kept
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from fairseq_shard_plugin import names_this_plugin
 from fairseq_shard_plugin.cli.update_timing import (
     StepDurations,
     UpdateClock,
@@ -93,7 +94,7 @@ def cuda_peaks_across_resets() -> Iterator[PeaksAcrossResets | None]:
 def _names_the_plugin_as_user_dir(fairseq_args: list[str]) -> bool:
     for flag, value in zip(fairseq_args, fairseq_args[1:], strict=False):
         if flag == "--user-dir":
-            return os.path.basename(os.path.normpath(value)) == __name__.split(".")[0]
+            return names_this_plugin(value)
     return False
 
 

@@ -169,7 +169,7 @@ def _check_restore_file(checkpoint_cfg: Any) -> None:
 
 
 def _check_parallelism_and_launch(cfg: Any) -> None:
-    """Other parallelism, fairscale's checkpoint format, and how CPU ranks are started."""
+    """Other parallelism, TPUs, and how CPU ranks are started."""
     common, dist_cfg = cfg.common, cfg.distributed_training
     if common.model_parallel_size > 1 or dist_cfg.pipeline_model_parallel:
         raise ShardingConfigError(
