@@ -126,7 +126,3 @@ def _cpu_features() -> str:
         return platform.processor() + platform.machine()
     wanted = ("model name", "flags", "Features", "CPU part")
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
-
-
-def dtype_code(tensor: torch.Tensor) -> int | None:
-    return DTYPE_CODES.get(tensor.dtype)

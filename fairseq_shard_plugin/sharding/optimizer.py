@@ -9,9 +9,9 @@ shards (:mod:`.local_shards`) and wraps it for loss scaling and deferred clippin
   with the loss scale applied in fp32;
 - ``--fp16-adam-stats`` asks for 16-bit moments, which fairseq implements only with apex
   on CUDA (elsewhere it raises NotImplementedError);
-- ``--cpu-offload`` steps on the host, where torch's fused CPU kernel is the fastest
-  measured (``benchmarks/host_adam.py``); apex's FusedAdam, fairseq's choice whenever CUDA
-  and apex exist, cannot step CPU state at all.
+- ``--cpu-offload`` steps on the host, where torch's fused CPU kernel (fp32 state) and the
+  plugin's C step (16-bit state) are the fastest measured (``benchmarks/host_adam.py``);
+  apex's FusedAdam, fairseq's choice whenever CUDA and apex exist, cannot step CPU state.
 
 Otherwise fairseq's own optimizer runs unchanged, so fp32-master runs on devices update
 exactly as stock fairseq does.
