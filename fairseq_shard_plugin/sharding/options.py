@@ -102,6 +102,14 @@ class ShardingConfig(FairseqDataclass):
             "help": "do not log per-step peak memory (on CPU the live-tensor meter costs time)"
         },
     )
+    no_host_step_overlap: bool = field(
+        default=False,
+        metadata={
+            "help": "with --cpu-offload, run the host's Adam step in line, after backward; "
+            "by default each unit's update runs in a background thread while the next "
+            "forward computes the units before it (the same results, bit for bit)"
+        },
+    )
     export_consolidated: Optional[str] = field(  # noqa: UP045 (fairseq parses Optional[])
         default=None,
         metadata={

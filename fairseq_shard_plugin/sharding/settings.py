@@ -135,6 +135,8 @@ class ShardingSettings:
     # the largest reduce-scatter, whose fp32 input is the largest transient of backward
     reduce_vocabulary_in_16_bit: bool = False
     offload: bool = False  # --cpu-offload: shards, gradients and optimizer state on the host
+    # with offload, the host's Adam step hidden behind the next forward (.host_step_overlap)
+    host_step_overlap: bool = True
     shard_group_size: int = 0  # ranks sharing a model copy; 0: all (full sharding)
     reshard: ReshardPolicy = field(default_factory=ReshardPolicy)
     # --root-unit-only: stock fairseq's plan for NLLB-sized layers (one unit), to compare
@@ -156,6 +158,7 @@ class ShardingSettings:
             reduce_in_16_bit=options.reduce_in_16_bit,
             reduce_vocabulary_in_16_bit=options.reduce_vocabulary_in_16_bit,
             offload=bool(dist_cfg.cpu_offload),
+            host_step_overlap=not options.no_host_step_overlap,
             shard_group_size=shard_group_size(options, world_size, environ),
             reshard=ReshardPolicy.from_flags(
                 options.keep_root_gathered, options.keep_vocabulary_gathered,

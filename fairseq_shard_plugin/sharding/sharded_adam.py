@@ -28,13 +28,16 @@ over fp32 copies remains where the C step cannot be built, and on GPUs.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch.optim.adam import adam as torch_adam
 
+from fairseq_shard_plugin.sharding.host_step_overlap import BackgroundHostStep, jobs_by_unit
 from fairseq_shard_plugin.sharding.native_adam import (
     DTYPE_CODES,
     AdamGroup,
@@ -64,6 +67,32 @@ class ShardedAdam(torch.optim.Optimizer):
         self.fp16_moments = fp16_moments
         self.max_over_ranks = max_over_ranks
         self.native = native  # the C step where it applies (False: always torch's kernel)
+        self.background: BackgroundHostStep | None = None  # see run_in_background
+        self._unit_of: dict[int, int] = {}
+        self._default_unit = 0
+        self._inline_seconds = 0.0  # see take_inline_seconds
+
+    def run_in_background(self, background: BackgroundHostStep, unit_of: dict[int, int],
+                          default_unit: int) -> None:
+        """Run the C step's updates as ``background``'s per-unit jobs from now on:
+        ``unit_of`` maps ``id(parameter)`` to its unit (``default_unit`` for the others).
+        The torch route (no compiler, device tensors) stays in line."""
+        self.background, self._unit_of, self._default_unit = background, unit_of, default_unit
+
+    def wait_for_background(self) -> None:
+        """Block until the background updates of the last step have finished."""
+        if self.background is not None:
+            self.background.wait_all()
+
+    def take_inline_seconds(self) -> float:
+        """Seconds spent in :meth:`step` since the last call, after the previous step's
+        background updates had finished (those waits the background counts)."""
+        seconds, self._inline_seconds = self._inline_seconds, 0.0
+        return seconds
+
+    def state_dict(self) -> dict[str, Any]:
+        self.wait_for_background()
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loading, except that moments keep their kind: torch casts state to its
@@ -103,10 +132,13 @@ class ShardedAdam(torch.optim.Optimizer):
              grad_factor: float = 1.0) -> Any:
         """One update; gradients are multiplied by ``grad_factor`` (in fp32) first."""
         loss = closure() if closure is not None else None
+        self.wait_for_background()
+        start = time.perf_counter()
         for group in self.param_groups:
             # every parameter has its place in the scales (the same on every rank, whichever
             # of its shards has a gradient); only those with one are updated
             params = group["params"]
+            # scales over ranks come back; otherwise each batch of the C step records its own
             scales = self._update_group(group, params, grad_factor)
             for index, param in enumerate(params):
                 if param.grad is None:
@@ -116,6 +148,7 @@ class ShardedAdam(torch.optim.Optimizer):
                 if scales is not None:
                     state["exp_avg_scale"] = float(scales[index, 0])
                     state["exp_avg_sq_scale"] = float(scales[index, 1])
+        self._inline_seconds += time.perf_counter() - start
         return loss
 
     def _update_group(self, group: dict[str, Any], params: list[torch.Tensor],
@@ -153,50 +186,79 @@ class ShardedAdam(torch.optim.Optimizer):
     def _native_update(self, library: Any, group: dict[str, Any], params: list[torch.Tensor],
                        grad_factor: float) -> torch.Tensor | None:
         """The C step over every parameter with a gradient: with scaled moments, a pass for
-        their largest values (then the maximum over ranks), and the update pass."""
+        their largest values, then the update pass. Returns the scales when their maxima
+        were taken over ranks here (else each batch's step records its own).
+
+        With :attr:`background` set, each unit's parameters are one job of the background
+        thread (:mod:`.host_step_overlap`); the maxima over ranks, a collective, stay in
+        line. The inputs of every job are fixed here (learning rate, step, scales), and it
+        holds references to its gradients, which fairseq drops before the jobs may end."""
         beta1, beta2 = group["betas"]
         updated = [(index, param) for index, param in enumerate(params)
                    if param.grad is not None]
-        tensors = (AdamTensor * len(updated))()
-        for entry, (_, param) in zip(tensors, updated, strict=True):
-            state = self.state[param]
-            if self.fp16_moments:
-                _ensure_scaled_moments(state, param)
-            else:
-                _ensure_fp32_moments(state, param)
-            step = state.get("step", 0) + 1
-            bias_correction2 = 1 - beta2**step
-            entry.param, entry.grad = param.data_ptr(), param.grad.data_ptr()
-            entry.exp_avg = state["exp_avg"].data_ptr()
-            entry.exp_avg_sq = state["exp_avg_sq"].data_ptr()
-            entry.numel = param.numel()
-            entry.param_dtype = DTYPE_CODES[param.dtype]
-            entry.grad_dtype = DTYPE_CODES[param.grad.dtype]
-            entry.moment_dtype = DTYPE_CODES[state["exp_avg"].dtype]
-            entry.scale_in[:] = [float(state.get(key, 1.0)) for key in SCALES]
-            entry.step_size = group["lr"] / (1 - beta1**step)
-            entry.bias_correction2_sqrt = math.sqrt(bias_correction2)
-            entry.eps = group["eps"] / math.sqrt(bias_correction2)
+        entries = [self._native_entry(group, param) for _, param in updated]
         constants = AdamGroup(beta2=beta2, avg_sq_grad_coefficient=1 - beta2,
                               lerp_weight=1 - beta1,
                               keep=1 - group["lr"] * group["weight_decay"],
                               grad_divisor=1.0 / grad_factor)
         threads = torch.get_num_threads()
         scales = None
+        if self.fp16_moments and self.max_over_ranks is not None:
+            scales = self._scales_over_ranks(library, len(params), updated, entries,
+                                             constants, threads)
+        batches = ({0: list(range(len(updated)))} if self.background is None else jobs_by_unit(
+            range(len(updated)), lambda position: self._unit_of.get(
+                id(updated[position][1]), self._default_unit)))
+        jobs = {}
+        for unit, positions in batches.items():
+            batch = [updated[position][1] for position in positions]
+            jobs[unit] = functools.partial(
+                _native_step, library, [entries[position] for position in positions],
+                [self.state[param] for param in batch], constants, threads,
+                self.fp16_moments and scales is None,
+                [(param, param.grad) for param in batch])
+        if self.background is None:
+            jobs[0]()
+        else:
+            self.background.run(jobs)
+        return scales
+
+    def _native_entry(self, group: dict[str, Any], param: torch.Tensor) -> AdamTensor:
+        """One parameter's pointers and constants for the C step (moments created here)."""
+        beta1, beta2 = group["betas"]
+        state = self.state[param]
         if self.fp16_moments:
-            largest = torch.zeros(len(updated), 2)
-            if library.adam_moment_maxima(tensors, len(updated), ctypes.byref(constants),
-                                          ctypes.c_void_p(largest.data_ptr()), threads):
-                raise RuntimeError("the C host Adam step could not join its threads")
-            maxima = torch.zeros(len(params), 2)
-            maxima[[index for index, _ in updated]] = largest
-            if self.max_over_ranks is not None:
-                self.max_over_ranks(maxima.view(-1))
-            scales = 1e-8 + maxima / FLOAT16_MAX
-            for entry, (index, _) in zip(tensors, updated, strict=True):
-                entry.scale_out[:] = scales[index].tolist()
-        if library.adam_update(tensors, len(updated), ctypes.byref(constants), threads):
-            raise RuntimeError("the C host Adam step could not join its threads")
+            _ensure_scaled_moments(state, param)
+        else:
+            _ensure_fp32_moments(state, param)
+        step = state.get("step", 0) + 1
+        bias_correction2 = 1 - beta2**step
+        entry = AdamTensor()
+        entry.param, entry.grad = param.data_ptr(), param.grad.data_ptr()
+        entry.exp_avg = state["exp_avg"].data_ptr()
+        entry.exp_avg_sq = state["exp_avg_sq"].data_ptr()
+        entry.numel = param.numel()
+        entry.param_dtype = DTYPE_CODES[param.dtype]
+        entry.grad_dtype = DTYPE_CODES[param.grad.dtype]
+        entry.moment_dtype = DTYPE_CODES[state["exp_avg"].dtype]
+        entry.scale_in[:] = [float(state.get(key, 1.0)) for key in SCALES]
+        entry.step_size = group["lr"] / (1 - beta1**step)
+        entry.bias_correction2_sqrt = math.sqrt(bias_correction2)
+        entry.eps = group["eps"] / math.sqrt(bias_correction2)
+        return entry
+
+    def _scales_over_ranks(self, library: Any, count: int,
+                           updated: list[tuple[int, torch.Tensor]], entries: list[AdamTensor],
+                           constants: AdamGroup, threads: int) -> torch.Tensor:
+        """The new moments' scales ``[count, 2]`` from their largest values on this rank,
+        then the maxima over ranks (one all-reduce); written into ``entries``."""
+        largest = _moment_maxima(library, _array(entries), constants, threads)
+        maxima = torch.zeros(count, 2)
+        maxima[[index for index, _ in updated]] = largest
+        self.max_over_ranks(maxima.view(-1))
+        scales = 1e-8 + maxima / FLOAT16_MAX
+        for entry, (index, _) in zip(entries, updated, strict=True):
+            entry.scale_out[:] = scales[index].tolist()
         return scales
 
     def _next_scales(self, group: dict[str, Any], params: list[torch.Tensor],
@@ -267,6 +329,38 @@ class _Piece(NamedTuple):
     param: torch.Tensor
     start: int
     stop: int
+
+
+def _array(entries: list[AdamTensor]) -> ctypes.Array[AdamTensor]:
+    """The C step's array of ``entries`` (copies of them)."""
+    return (AdamTensor * len(entries))(*entries)
+
+
+def _moment_maxima(library: Any, array: ctypes.Array[AdamTensor], constants: AdamGroup,
+                   threads: int) -> torch.Tensor:
+    """The largest magnitude of each new moment, ``[len(array), 2]`` (the C step's pass)."""
+    largest = torch.zeros(len(array), 2)
+    if library.adam_moment_maxima(array, len(array), ctypes.byref(constants),
+                                  ctypes.c_void_p(largest.data_ptr()), threads):
+        raise RuntimeError("the C host Adam step could not join its threads")
+    return largest
+
+
+def _native_step(library: Any, entries: list[AdamTensor], states: list[dict[str, Any]],
+                 constants: AdamGroup, threads: int, find_scales: bool,
+                 keep_alive: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The C step over one batch of parameters (their ``entries`` and optimizer
+    ``states``); with ``find_scales`` (scaled moments, one rank per parameter) the batch's
+    maxima pass first, whose scales it records. ``keep_alive`` holds the tensors the
+    entries point into until the step has run."""
+    array = _array(entries)
+    if find_scales:
+        scales = 1e-8 + _moment_maxima(library, array, constants, threads) / FLOAT16_MAX
+        for entry, state, pair in zip(array, states, scales.tolist(), strict=True):
+            entry.scale_out[:] = pair
+            state.update(zip(SCALES, pair, strict=True))
+    if library.adam_update(array, len(array), ctypes.byref(constants), threads):
+        raise RuntimeError("the C host Adam step could not join its threads")
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

@@ -50,10 +50,12 @@ from fairseq_shard_plugin.memory.run_estimate import (
 )
 from fairseq_shard_plugin.sharding.full_state import loading_full_tensors_into_shards
 from fairseq_shard_plugin.sharding.gradients import max_over_ranks
+from fairseq_shard_plugin.sharding.host_step_overlap import BackgroundHostStep, owning_units
 from fairseq_shard_plugin.sharding.optimizer import build_sharded_optimizer
 from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
 from fairseq_shard_plugin.sharding.parallelize import parallelize
 from fairseq_shard_plugin.sharding.settings import ShardingSettings
+from fairseq_shard_plugin.sharding.sharded_adam import ShardedAdam
 from fairseq_shard_plugin.training import signal_stop
 from fairseq_shard_plugin.training.data_position import convert_position, record_ranks
 from fairseq_shard_plugin.training.launch_env import (
@@ -143,6 +145,12 @@ class ShardedTrainer(Trainer):
         self._run_description = describe_run(cfg, model, self.shard_group_size)
         sharded = parallelize(model, self.settings)
         self.sharding_plan, self.engine = sharded.plan, sharded.engine
+        # hooks on every unit's forward, in place before the first forward records the order
+        self.host_step = (
+            BackgroundHostStep([unit.modules for unit in (*sharded.plan.units,
+                                                          sharded.plan.root)])
+            if self.offload and self.settings.host_step_overlap
+            and self.settings.engine == "fsdp2" else None)
         logger.info("sharded over %d ranks with %s: %s; compute in %s, %s",
                     dist.get_world_size(), self.settings.engine, sharded.description,
                     self.compute_dtype or torch.float32,
@@ -243,6 +251,26 @@ class ShardedTrainer(Trainer):
             self.cfg.lr_scheduler, self._optimizer
         )
         self._lr_scheduler.step_update(0)
+        adam = self._optimizer.optimizer
+        if self.host_step is not None and isinstance(adam, ShardedAdam):
+            root_unit = len(self.host_step.units) - 1
+            owners = owning_units(self.sharding_plan.root.modules[0], self.host_step.units)
+            shards = self._optimizer.shards
+            adam.run_in_background(
+                self.host_step,
+                {id(local): owners.get(id(param), root_unit)
+                 for param, local in zip(shards.params, shards.locals, strict=True)},
+                root_unit)
+            logger.info("--cpu-offload: the host's Adam step on 16-bit state runs unit by unit "
+                        "in the background while the next forward computes the units before "
+                        "(--no-host-step-overlap: in line, after backward)")
+
+    def wait_for_host_step(self) -> None:
+        """Block until the last update's background host step has finished: call it before
+        reading parameters or optimizer state between updates outside fairseq's loop
+        (state dicts, forwards, validation and checkpoints wait by themselves)."""
+        if self.host_step is not None:
+            self.host_step.wait_all()
 
     def clip_grad_norm(self, clip_norm: float) -> torch.Tensor:
         stored_norm = self.engine.grad_norm(self._trainable_params(), self.device)
@@ -273,6 +301,7 @@ class ShardedTrainer(Trainer):
         A collective: every rank calls it at each save. (The arguments are the nllb
         branch's, whose Trainer returns ``{filename: state}``; 0.12's takes none.)"""
         self.state_dict_calls += 1
+        self.wait_for_host_step()
 
         def stock_state() -> dict[str, Any]:
             if "filename" not in inspect.signature(Trainer.state_dict).parameters:
@@ -313,6 +342,7 @@ class ShardedTrainer(Trainer):
         :class:`CheckpointLoadError` naming the file and the mismatch.
         """
         reset_optimizer = bool(args[0] if args else kwargs.get("reset_optimizer", False))
+        self.wait_for_host_step()
         refuse_to_skip_fairscale_shards(filename)
         try:
             index = read_sharded_index(filename)
@@ -346,6 +376,7 @@ class ShardedTrainer(Trainer):
         out of memory stops the run (:mod:`.out_of_memory`): fairseq's retry of the batch
         on the one rank that failed would pair its collectives with the others' next ones."""
         generates = generating_validation_option(self.cfg.task) is not None
+        self.wait_for_host_step()  # generation gathers every unit without their forwards
 
         def step() -> Any:
             with (self.engine.gathered(self.sharding_plan) if generates
@@ -378,7 +409,20 @@ class ShardedTrainer(Trainer):
             raise
         if not self._space_reported:
             self._report_checkpoint_space()
+        if self.offload:
+            self._log_host_wait()
         return logging_output
+
+    def _log_host_wait(self) -> None:
+        """How long this update waited for the host's Adam step: the step's in-line part
+        and, with the overlap, the forwards' waits for their units' background updates."""
+        adam = self._optimizer.optimizer if self._optimizer is not None else None
+        if not isinstance(adam, ShardedAdam):
+            return
+        waited = adam.take_inline_seconds()
+        if self.host_step is not None:
+            waited += self.host_step.take_waited_seconds()
+        metrics.log_scalar("host_wait", waited, priority=1400, round=3)
 
     def _report_checkpoint_space(self) -> None:
         """Once the optimizer state exists: log a checkpoint's size against the save dir's

@@ -38,6 +38,7 @@ def main() -> None:
 
     def recorded_train_step(self: ShardedTrainer, samples: Any, raise_oom: bool = False) -> Any:
         logging_output = train_step(self, samples, raise_oom)
+        self.wait_for_host_step()  # with --cpu-offload the update may still be running
         record = {"update": self.get_num_updates(), "sha256": shard_digest(self._model)}
         with out.open("a") as log:
             log.write(json.dumps(record) + "\n")
