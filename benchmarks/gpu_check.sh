@@ -21,7 +21,8 @@
 #      seconds part 1 leaves;
 #   3. benchmarks/results/gpu_offload_3_3b.{md,json}: the one-GPU 3.3B recipe's settings at
 #      world size 1 for 6 updates: CUDA peak, host peak RSS, seconds per update and the
-#      host Adam step's share (its own call: `offload`; after part 1, with what is left).
+#      update's wait for the host Adam step, in the background and then in line (its own
+#      call: `offload`; after part 1, with what is left).
 # Time budget, 480 s in all (the call's 540 s less a margin). Each step must end by the sum
 # of its budget and those before it, so seconds an earlier step leaves go to the next ones:
 #   pip install of .whl/ (wheels only, nothing compiles)                      30 s

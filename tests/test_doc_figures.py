@@ -141,3 +141,13 @@ def test_the_readmes_other_figures_are_the_measured_ones() -> None:
             f"state, {gpu['stock-policy']:.2f} with stock's policy") in readme
     (one_rank,) = rows("memory_1_3b_one_rank")
     assert f"Measured at 1.3B on one rank: {one_rank['device_gib']:.2f} GiB" in readme
+
+
+def test_the_offload_doc_quotes_the_overlap_figures() -> None:
+    text = " ".join((REPO / "docs" / "multi-node-and-offload.md").read_text().split())
+    quoted = {1: "{hidden} of the step's wait on one rank ({background} s against {inline} s)",
+              2: "{hidden} on two ({background} s against {inline} s)"}
+    for ranks, template in quoted.items():
+        inline, background = rows(f"host_step_overlap_{ranks}rank")
+        assert template.format(hidden=background["hidden"], inline=inline["host_wait_s"],
+                               background=background["host_wait_s"]) in text, ranks
