@@ -8,8 +8,8 @@ the same gradients and the same existing Adam state, at each of ``--threads``:
 - fairseq's Adam (``fairseq.optim.adam.Adam``: one tensor at a time, about ten operators);
 - torch's AdamW with ``foreach=True`` and ``fused=True``; DeepSpeed's ``DeepSpeedCPUAdam``
   when ``deepspeed`` is importable (its JIT build is not timed);
-- the plugin's Adam (``sharding/sharded_adam.py``) with fp32 state (torch's fused kernel),
-  and with 16-bit state in its two ways: the C step (``sharding/native_adam.c``) and the
+- the plugin's Adam (``sharding/sharded_adam.py``) with fp32 and with 16-bit state, each in
+  its two ways: the C step (``sharding/native_adam.c``) and the
   pure-torch step it falls back to without a compiler;
 - ``torch.compile`` of the same 16-bit step (inductor's C++ on CPU; compile time apart).
 
@@ -144,6 +144,7 @@ IMPLEMENTATIONS: dict[str, tuple[Callable[[list[torch.Tensor]], Any], torch.dtyp
     "torch AdamW fused (fp32)": (torch_adamw(fused=True), torch.float32),
     "DeepSpeed CPUAdam (fp32)": (deepspeed_cpu_adam, torch.float32),
     "plugin ShardedAdam (fp32)": (sharded_adam(), torch.float32),
+    "plugin, fp32, torch step": (sharded_adam(native=False), torch.float32),
     "plugin, fp16 moments, torch step": (
         sharded_adam(fp16_moments=True, native=False), torch.float32),
     "plugin, fp16 moments, C step": (sharded_adam(fp16_moments=True), torch.float32),

@@ -19,6 +19,8 @@ import torch.nn as nn
 
 from fairseq_shard_plugin.checkpoint.consolidate import read_full_state
 from fairseq_shard_plugin.sharding.host_step_overlap import BackgroundHostStep, owning_units
+from fairseq_shard_plugin.sharding.native_adam import native_library
+from fairseq_shard_plugin.sharding.sharded_adam import ShardedAdam
 from launching.harness import RunResult, in_threads, result_of, run_training, training_args
 
 from tiny_training import TINY
@@ -110,6 +112,46 @@ def test_parameters_belong_to_their_nearest_unit_and_tied_ones_to_the_first() ->
     assert owners[id(model.scale)] == 3
     with pytest.raises(ValueError, match="root module"):
         owning_units(model, units_of(model)[:3])
+
+
+def adam_steps(dtype: torch.dtype, fp16_moments: bool, background: bool
+               ) -> tuple[list[torch.Tensor], dict]:
+    """Four Adam steps over Reordered's parameters, each followed by a forward (which waits
+    for its units in the background case); the parameters and the last state."""
+    torch.manual_seed(0)
+    model = Reordered(dict.fromkeys("abc", True), {}).to(dtype)
+    params = list(model.parameters())
+    optimizer = ShardedAdam(params, lr=1e-2, betas=(0.9, 0.98), eps=1e-6,
+                            weight_decay=0.01, fp16_moments=fp16_moments)
+    if background:
+        units = units_of(model)
+        owners = owning_units(model, units)
+        optimizer.run_in_background(BackgroundHostStep(units),
+                                    {id(p): owners[id(p)] for p in params}, len(units) - 1)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator).to(dtype)
+        optimizer.step(grad_factor=1 / 3)
+        model(torch.ones(1, 2, dtype=dtype))
+    return [p.detach().clone() for p in params], optimizer.state_dict()
+
+
+@pytest.mark.skipif(native_library() is None, reason="no C compiler here")
+@pytest.mark.parametrize(("dtype", "fp16_moments"), [
+    (torch.float32, False), (torch.bfloat16, False), (torch.float16, True)])
+def test_the_background_step_is_the_step_in_line_bit_for_bit(
+        dtype: torch.dtype, fp16_moments: bool) -> None:
+    """fp32 state too: in the background it takes the C step, torch's fused arithmetic."""
+    (ours, our_state), (reference, state) = (
+        adam_steps(dtype, fp16_moments, background) for background in (True, False))
+    for a, b in zip(ours, reference, strict=True):
+        assert torch.equal(a, b)
+    for index, entry in state["state"].items():
+        for key, value in entry.items():
+            same = (torch.equal(our_state["state"][index][key], value)
+                    if isinstance(value, torch.Tensor) else our_state["state"][index][key] == value)
+            assert same, (index, key)
 
 
 UPDATES = 6

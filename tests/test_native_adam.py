@@ -44,10 +44,10 @@ def run(dtype: torch.dtype, native: bool, fp16_moments: bool = False, threads: i
     return params, optimizer
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_16_bit_parameters_update_as_torchs_fused_kernel_bit_for_bit(dtype: torch.dtype
-                                                                     ) -> None:
-    """fp32 moments: the C step and torch's kernel over fp32 copies give the same bits."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_parameters_update_as_torchs_fused_kernel_bit_for_bit(dtype: torch.dtype) -> None:
+    """fp32 moments: the C step and torch's kernel (over fp32 copies of 16-bit tensors)
+    give the same bits."""
     ours, native = run(dtype, native=True)
     reference, torch_step = run(dtype, native=False)
     for a, b in zip(ours, reference, strict=True):

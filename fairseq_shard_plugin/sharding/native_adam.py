@@ -1,16 +1,18 @@
-"""The host Adam step in C for CPU shards stored in 16 bits (``native_adam.c``).
+"""The host Adam step in C for CPU shards (``native_adam.c``).
 
 torch has no fused Adam for a 16-bit parameter with scaled fp16 moments, so the pure-torch
-step makes fp32 copies and about ten passes over them. The C step reads each 16-bit
-element once per pass and writes it back, over all of a group's tensors in one call, on
-torch's intra-op thread count (which the plugin splits among a host's ranks).
+step makes fp32 copies and about ten passes over them. The C step reads each element once
+per pass and writes it back, over all of a group's tensors in one call, on torch's
+intra-op thread count (which the plugin splits among a host's ranks). fp32 state takes it
+too: as fast as torch's fused kernel, its arithmetic bit for bit, and it releases the GIL
+for the whole call, so it can run beside the next forward (``host_step_overlap``).
 
 The library is compiled on first use with the system's C compiler (``$CC``, else ``cc``:
 about a second) into ``$XDG_CACHE_HOME/fairseq_shard_plugin`` (``~/.cache`` by default),
 named by a hash of the source, the flags, the compiler and this CPU's features, so that a
 home directory shared by different machines never loads code built for another CPU.
-Without a compiler, the step stays in torch: the same update, several times slower; the
-log says so once. ``FAIRSEQ_SHARD_PLUGIN_NATIVE_ADAM=0`` turns the C step off.
+Without a compiler, the step stays in torch (for 16-bit state several times slower, and in
+line); the log says so once. ``FAIRSEQ_SHARD_PLUGIN_NATIVE_ADAM=0`` turns the C step off.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ def native_library() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC") or "cc")
     if compiler is None:
-        logger.warning("no C compiler (cc) on PATH: the 16-bit host Adam step runs in torch, "
-                       "several times slower; install gcc to build the fast one")
+        logger.warning("no C compiler (cc) on PATH: the host Adam step runs in torch, in line "
+                       "(16-bit state several times slower); install gcc to build the fast one")
         return None
     try:
         path = _built_library(compiler)
@@ -74,7 +76,7 @@ def native_library() -> ctypes.CDLL | None:
         detail = getattr(error, "stderr", None) or error
         first_line = str(detail).strip().splitlines()[0] if str(detail).strip() else error
         logger.warning(f"could not build the C host Adam step ({first_line}): it runs in "
-                       "torch, several times slower")
+                       "torch, in line (16-bit state several times slower)")
         return None
     for name in ("adam_moment_maxima", "adam_update"):
         getattr(library, name).restype = ctypes.c_int

@@ -9,8 +9,9 @@ shards (:mod:`.local_shards`) and wraps it for loss scaling and deferred clippin
   with the loss scale applied in fp32;
 - ``--fp16-adam-stats`` asks for 16-bit moments, which fairseq implements only with apex
   on CUDA (elsewhere it raises NotImplementedError);
-- ``--cpu-offload`` steps on the host, where torch's fused CPU kernel (fp32 state) and the
-  plugin's C step (16-bit state) are the fastest measured (``benchmarks/host_adam.py``);
+- ``--cpu-offload`` steps on the host, where the plugin's C step is the fastest measured
+  for 16-bit state and as fast as torch's fused CPU kernel for fp32 (``benchmarks/host_adam.py``),
+  and runs behind the next forward (:mod:`.host_step_overlap`);
   apex's FusedAdam, fairseq's choice whenever CUDA and apex exist, cannot step CPU state.
 
 Otherwise fairseq's own optimizer runs unchanged, so fp32-master runs on devices update

@@ -261,8 +261,8 @@ class ShardedTrainer(Trainer):
                 {id(local): owners.get(id(param), root_unit)
                  for param, local in zip(shards.params, shards.locals, strict=True)},
                 root_unit)
-            logger.info("--cpu-offload: the host's Adam step on 16-bit state runs unit by unit "
-                        "in the background while the next forward computes the units before "
+            logger.info("--cpu-offload: the host's Adam step runs unit by unit in the "
+                        "background while the next forward computes the units before "
                         "(--no-host-step-overlap: in line, after backward)")
 
     def wait_for_host_step(self) -> None:
