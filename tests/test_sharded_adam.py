@@ -15,6 +15,8 @@ from fairseq import utils as fairseq_utils
 from fairseq.optim.adam import Adam as FairseqAdam
 
 from fairseq_shard_plugin.sharding import sharded_adam
+from fairseq_shard_plugin.sharding.optimizer import uses_sharded_adam
+from fairseq_shard_plugin.sharding.settings import ShardingSettings
 from fairseq_shard_plugin.sharding.sharded_adam import ShardedAdam, with_fp32_moments
 from launching.harness import REPO, rank_environment, start_ranks
 
@@ -274,3 +276,24 @@ def test_every_rank_scales_16_bit_moments_by_the_largest_over_all_ranks(
         assert scale_0 == scale_1
         if largest_0 or largest_1:
             assert max(largest_0, largest_1) == pytest.approx(65504, rel=1e-2)
+
+
+def test_fp32_masters_on_gpus_step_with_the_fused_adam_unless_use_old_adam() -> None:
+    """As stock fairseq, which takes apex's fused Adam on CUDA unless --use-old-adam; CPU
+    ranks with fp32 state and the fairscale engine's few flat shards keep fairseq's Adam."""
+    from omegaconf import OmegaConf
+
+    def adam(**flags: bool) -> object:
+        return OmegaConf.create({"_name": "adam", "use_old_adam": False,
+                                 "fp16_adam_stats": False, **flags})
+
+    gpu, cpu = ShardingSettings(device_type="cuda"), ShardingSettings(device_type="cpu")
+    assert uses_sharded_adam(adam(), gpu)
+    assert not uses_sharded_adam(adam(use_old_adam=True), gpu)
+    assert not uses_sharded_adam(adam(), cpu)
+    assert not uses_sharded_adam(adam(), ShardingSettings(device_type="cuda",
+                                                          engine="fairscale"))
+    assert uses_sharded_adam(adam(use_old_adam=True),
+                             ShardingSettings(device_type="cuda", offload=True))
+    sgd = OmegaConf.create({"_name": "sgd"})
+    assert not uses_sharded_adam(sgd, gpu)

@@ -12,10 +12,15 @@ shards (:mod:`.local_shards`) and wraps it for loss scaling and deferred clippin
 - ``--cpu-offload`` steps on the host, where the plugin's C step is the fastest measured
   for 16-bit state and as fast as torch's fused CPU kernel for fp32 (``benchmarks/host_adam.py``),
   and runs behind the next forward (:mod:`.host_step_overlap`);
-  apex's FusedAdam, fairseq's choice whenever CUDA and apex exist, cannot step CPU state.
+  apex's FusedAdam, fairseq's choice whenever CUDA and apex exist, cannot step CPU state;
+- FSDP2's shards are on a GPU: fairseq itself steps with a fused Adam there (apex's) unless
+  ``--use-old-adam``, and so does the plugin (torch's multi-tensor fused kernel, a few
+  launches per step instead of about ten per parameter tensor; fairseq's update within a
+  rounding); ``--use-old-adam`` keeps fairseq's own Adam, bit for bit. (The fairscale
+  engine's flat shards are a few tensors: fairseq's Adam is cheap there.)
 
-Otherwise fairseq's own optimizer runs unchanged, so fp32-master runs on devices update
-exactly as stock fairseq does.
+Otherwise (CPU ranks with fp32 state) fairseq's own optimizer runs unchanged, so those runs
+update exactly as stock fairseq does.
 """
 
 from __future__ import annotations
@@ -49,8 +54,11 @@ def fp16_adam_stats(optimizer_cfg: Any) -> bool:
 
 def uses_sharded_adam(optimizer_cfg: Any, settings: ShardingSettings) -> bool:
     """Whether the update runs in :class:`ShardedAdam` (see the module's docstring)."""
+    on_gpu = (settings.engine == "fsdp2" and settings.device_type == "cuda"
+              and not optimizer_cfg.get("use_old_adam"))
     return optimizer_cfg._name == "adam" and (
-        settings.sixteen_bit_parameters or settings.offload or fp16_adam_stats(optimizer_cfg))
+        settings.sixteen_bit_parameters or settings.offload or fp16_adam_stats(optimizer_cfg)
+        or on_gpu)
 
 
 def _fairseq_optimizer_config(optimizer_cfg: Any, own_adam: bool) -> Any:
@@ -89,6 +97,7 @@ def build_sharded_optimizer(cfg: Any, params: list[torch.Tensor], settings: Shar
             "Adam steps with the plugin's fused implementation: %s parameters, %s moments%s",
             "16-bit" if settings.sixteen_bit_parameters else "fp32",
             "fp16 (scaled)" if fp16_moments else "fp32",
-            ", on the host" if settings.offload else "")
+            ", on the host" if settings.offload else (
+                " (--use-old-adam: fairseq's)" if settings.device_type == "cuda" else ""))
     scaler = fp16_loss_scaler(cfg) if settings.compute_dtype == torch.float16 else None
     return ShardedMasterOptimizer(cfg, fairseq_optimizer, scaler, shards)
