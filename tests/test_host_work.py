@@ -38,8 +38,9 @@ def test_the_gpu_checks_steady_state_and_profile_come_from_a_real_run(
     from launching.harness import run_training, training_args, transformer_args
 
     args = training_args(corpus, tmp_path / "save", max_update=8, max_tokens=256)
+    # offloaded, as the 3.3B recipe's row (GPU check part 3) that reads the same records
     args += transformer_args(dim=32, ffn=64, layers=1, heads=2) + [
-        "--no-save", "--disable-validation", "--task", "sharded_translation"]
+        "--no-save", "--disable-validation", "--task", "sharded_translation", "--cpu-offload"]
     run = run_training(args, nproc=1, plugin=True, measure_dir=tmp_path / "measured",
                        measure_options=("--profile-updates", "5-6"))
     record = run.memory[0]
@@ -60,11 +61,13 @@ def test_the_gpu_checks_steady_state_and_profile_come_from_a_real_run(
     assert len(steps) == 8 and all(step > 0 for step in steps)
     assert all(step < later - earlier
                for step, earlier, later in zip(steps, starts, starts[1:], strict=False))
-    # the 3.3B recipe's row (GPU check part 3) reads them as the host step's share
+    # the 3.3B recipe's row (GPU check part 3) reads them, and the waits for the host step
     from benchmarks.gpu_offload import measured_row
 
     row = measured_row(run, seconds=10.0, timeout=60.0, window=(3, 6))
     assert row["status"] == "ok" and row["host_peak_rss_gib"] > 0.1
     assert row["seconds_per_update"] == round((starts[5] - starts[1]) / 4, 2)
     assert row["step_seconds"] == round(sum(steps[2:6]) / 4, 2)
-    assert 0 <= int(row["step_share"].rstrip("%")) < 100
+    assert row["host_wait_seconds"] == round(
+        sum(run.series("train_inner", "host_wait")[2:6]) / 4, 2)
+    assert 0 <= int(row["host_wait_share"].rstrip("%")) < 100
