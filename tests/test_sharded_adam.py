@@ -297,3 +297,28 @@ def test_fp32_masters_on_gpus_step_with_the_fused_adam_unless_use_old_adam() -> 
                              ShardingSettings(device_type="cuda", offload=True))
     sgd = OmegaConf.create({"_name": "sgd"})
     assert not uses_sharded_adam(sgd, gpu)
+
+
+@pytest.mark.parametrize("fp16_moments", [False, True])
+def test_the_torch_step_reads_no_value_back_from_a_tensor(fp16_moments: bool) -> None:
+    """On a GPU each value read back (``float(t)``, ``.item()``) waits for every queued
+    kernel: the torch route (GPUs, no compiler) reads none. The scales pass brings the
+    pieces' maxima to the host in one copy; step counts and the gradient factor are filled
+    on the device rather than copied from host memory."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ReadBacks(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    params = start_params(torch.bfloat16)
+    optimizer = ShardedAdam(params, fp16_moments=fp16_moments, native=False, **SETTINGS)
+    train(optimizer, params, gradients(1), factor=1 / 512)  # creates the state
+    with ReadBacks() as reads:
+        train(optimizer, params, gradients(2), factor=1 / 512)
+    assert reads.count == 0
