@@ -71,14 +71,17 @@ class ShardedAdam(torch.optim.Optimizer):
         self.background: BackgroundHostStep | None = None  # see run_in_background
         self._unit_of: dict[int, int] = {}
         self._default_unit = 0
+        self._background_threads: int | None = None
         self._inline_seconds = 0.0  # see take_inline_seconds
 
     def run_in_background(self, background: BackgroundHostStep, unit_of: dict[int, int],
-                          default_unit: int) -> None:
+                          default_unit: int, threads: int | None = None) -> None:
         """Run the C step's updates as ``background``'s per-unit jobs from now on:
-        ``unit_of`` maps ``id(parameter)`` to its unit (``default_unit`` for the others).
-        The torch route (no compiler, device tensors) stays in line."""
+        ``unit_of`` maps ``id(parameter)`` to its unit (``default_unit`` for the others);
+        each job on ``threads`` threads (None: torch's count). The torch route (no
+        compiler, device tensors) stays in line."""
         self.background, self._unit_of, self._default_unit = background, unit_of, default_unit
+        self._background_threads = threads
 
     def wait_for_background(self) -> None:
         """Block until the background updates of the last step have finished."""
@@ -201,6 +204,8 @@ class ShardedAdam(torch.optim.Optimizer):
                               keep=1 - group["lr"] * group["weight_decay"],
                               grad_divisor=1.0 / grad_factor)
         threads = torch.get_num_threads()
+        if self.background is not None and self._background_threads is not None:
+            threads = self._background_threads
         scales = None
         if self.fp16_moments and self.max_over_ranks is not None:
             scales = self._scales_over_ranks(library, len(params), updated, entries,

@@ -256,11 +256,14 @@ class ShardedTrainer(Trainer):
             root_unit = len(self.host_step.units) - 1
             owners = owning_units(self.sharding_plan.root.modules[0], self.host_step.units)
             shards = self._optimizer.shards
+            # on GPUs the forward's own thread launches kernels beside the step: one core
+            # of the rank's share is left to it
+            threads = max(1, torch.get_num_threads() - 1) if self.device.type == "cuda" else None
             adam.run_in_background(
                 self.host_step,
                 {id(local): owners.get(id(param), root_unit)
                  for param, local in zip(shards.params, shards.locals, strict=True)},
-                root_unit)
+                root_unit, threads)
             logger.info("--cpu-offload: the host's Adam step runs unit by unit in the "
                         "background while the next forward computes the units before "
                         "(--no-host-step-overlap: in line, after backward)")
