@@ -157,11 +157,12 @@ def test_the_background_step_is_the_step_in_line_bit_for_bit(
 UPDATES = 6
 
 
-def overlap_run(corpus: Path, save_dir: Path, nproc: int, overlap: bool) -> RunResult:
+def overlap_run(corpus: Path, save_dir: Path, nproc: int, overlap: bool,
+                *flags: str) -> RunResult:
     args = training_args(corpus, save_dir, UPDATES) + TINY + [
         "--task", "sharded_translation", "--no-epoch-checkpoints", "--cpu-offload",
         "--memory-efficient-bf16", "--fp16-adam-stats", "--checkpoint-format", "full",
-        "--save-interval-updates", "2", "--validate-interval-updates", "3"]
+        "--save-interval-updates", "2", "--validate-interval-updates", "3", *flags]
     return run_training(args + ([] if overlap else ["--no-host-step-overlap"]), nproc=nproc,
                         plugin=True)
 
@@ -170,7 +171,8 @@ def overlap_run(corpus: Path, save_dir: Path, nproc: int, overlap: bool) -> RunR
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_the_background_step_trains_bit_for_bit_as_the_step_in_line(
         corpus: Path, tmp_path: Path, nproc: int) -> None:
-    """Saves every 2 updates and validation every 3 read the state between updates."""
+    """Saves every 2 updates and validation every 3 read the state between updates; a
+    resume from update 4 loads into the background step and ends on the same state."""
     runs = in_threads({name: (lambda name=name: overlap_run(
         corpus, tmp_path / name, nproc, overlap=name == "overlap"))
         for name in ("overlap", "inline")})
@@ -181,10 +183,14 @@ def test_the_background_step_trains_bit_for_bit_as_the_step_in_line(
         assert overlap.series("train_inner", key) == inline.series("train_inner", key), key
     assert overlap.series("valid", "valid_loss") == inline.series("valid", "valid_loss")
     assert len(overlap.series("train_inner", "host_wait")) == UPDATES
-    ours, reference = (read_full_state(tmp_path / name / "checkpoint_last.pt")
-                       for name in ("overlap", "inline"))
+    resumed = overlap_run(corpus, tmp_path / "resumed", nproc, True, "--restore-file",
+                          str(tmp_path / "overlap" / "checkpoint_1_4.pt"))
+    assert resumed.series("train_inner", "loss") == overlap.series("train_inner", "loss")[4:]
+    ours, reference, again = (read_full_state(tmp_path / name / "checkpoint_last.pt")
+                              for name in ("overlap", "inline", "resumed"))
     for name, tensor in reference["model"].items():
         assert torch.equal(ours["model"][name], tensor), name
+        assert torch.equal(again["model"][name], tensor), name
     states = (state["last_optimizer_state"]["state"] for state in (ours, reference))
     for (index, entry), (_, expected) in zip(*(sorted(s.items()) for s in states),
                                              strict=True):
