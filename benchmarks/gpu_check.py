@@ -98,6 +98,7 @@ class Run:
     plugin: bool
     flags: list[str]
     tokens: int = 4096
+    environment: tuple[tuple[str, str], ...] = ()  # variables for the ranks
 
 
 # in order of importance: the budget may end the list early
@@ -110,6 +111,10 @@ RUNS = [
         ["--fp16", *PLUGIN_TASK, "--use-old-adam"]),
     Run("plugin fsdp2, the NLLB configs (16-bit state and memory features)", True,
         ["--memory-efficient-fp16", "--fp16-adam-stats", *PLUGIN_TASK, *NLLB_FEATURES]),
+    # sharded CUDA runs get expandable segments from the plugin unless the variable is set
+    Run("plugin fsdp2 (the default), fp16, without expandable segments", True,
+        ["--fp16", *PLUGIN_TASK],
+        environment=(("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False"),)),
     Run("plugin fairscale engine, fp16", True,
         ["--fp16", *PLUGIN_TASK, "--shard-engine", "fairscale"]),
     Run("plugin fsdp2, fp16 + activation checkpointing", True,
@@ -383,7 +388,8 @@ def trainings(budget: float, dry_run: bool) -> None:
             run = run_training(args, nproc=1, plugin=spec.plugin,
                                measure_dir=work / tag / "memory", stock_backend="fully_sharded",
                                cuda=True, timeout=timeout, check=False, watch=seen,
-                               measure_options=measure_options)
+                               measure_options=measure_options,
+                               environment=dict(spec.environment))
             seconds = time.monotonic() - start
         launcher = describe_launcher(seen.command) if seen.command else "not started"
         rows.append({**training_row(spec, run, launcher, seconds, timeout),

@@ -35,7 +35,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    breaks torchrun on CPU (see ``launch_env``); the wrapper also drops the ``--tpu`` that
    fairseq's parser implies from ``--bf16``, takes fairseq's ``--use-sharded-state`` as the
    plugin's sharded format (cleared, so fairseq's ``-shard0`` names are never used),
-   rejects unworkable sharded configurations
+   sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` for sharded CUDA runs where
+   the user has not configured the allocator (it is read when CUDA starts, which happens
+   inside fairseq's function), rejects unworkable sharded configurations
    with a one-line error before any process group or data is touched, and turns a
    checkpoint that cannot be loaded into a one-line error naming the file and the mismatch.
    Under ``--export-consolidated PATH`` it also runs, after training on rank 0, the export
@@ -164,7 +166,11 @@ from fairseq_shard_plugin.sharding.options import (
     take_use_sharded_state,
 )
 from fairseq_shard_plugin.sharding.precision import untie_bf16_from_tpu
-from fairseq_shard_plugin.training.launch_env import apply_torchrun_environment
+from fairseq_shard_plugin.training.launch_env import (
+    apply_torchrun_environment,
+    default_allocator_setting,
+    uses_cuda,
+)
 from fairseq_shard_plugin.training.private_state import with_private_loaded_state
 from fairseq_shard_plugin.training.run_hooks import (
     active_trainer_loader,
@@ -289,7 +295,7 @@ def _settings_of(cfg: Any) -> Any:
     import torch.distributed as dist
 
     from fairseq_shard_plugin.sharding.settings import ShardingSettings
-    from fairseq_shard_plugin.training.launch_env import ensure_process_group, uses_cuda
+    from fairseq_shard_plugin.training.launch_env import ensure_process_group
 
     use_cuda = uses_cuda(cfg)
     ensure_process_group(cfg, use_cuda)
@@ -310,6 +316,10 @@ def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[
                         f"{cfg.distributed_training.ddp_backend})")
                 return stock_call_main(cfg, main, **kwargs)
             untie_bf16_from_tpu(cfg)
+            allocator = default_allocator_setting(use_cuda=uses_cuda(cfg))
+            if allocator and distributed_utils.is_master(cfg.distributed_training):
+                logger.info(f"{allocator} (set by the plugin for sharded CUDA runs: less "
+                            "memory reserved beyond the peak; set the variable to choose)")
             if take_use_sharded_state(cfg) and distributed_utils.is_master(
                     cfg.distributed_training):
                 logger.info("--use-sharded-state: checkpoints in the plugin's sharded format "

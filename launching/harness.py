@@ -124,6 +124,7 @@ def run_training(
     cuda: bool = False,
     watch: Watcher | None = None,
     measure_options: tuple[str, ...] = (),
+    environment: dict[str, str] | None = None,
 ) -> RunResult:
     """Train on ``nproc`` ranks: the plugin with fully_sharded, or stock fairseq.
 
@@ -134,9 +135,10 @@ def run_training(
 
     With ``measure_dir`` every rank runs under ``fairseq-shard-measure-train`` (with
     ``measure_options``) and what it measured (the whole-process peak of live tensor bytes,
-    update times, ...) is returned in ``RunResult.memory``.
+    update times, ...) is returned in ``RunResult.memory``. ``environment`` adds variables
+    to the ranks' environment.
     """
-    env = rank_environment()
+    env = {**rank_environment(), **(environment or {})}
     measure = (
         ["--measure-out", str(measure_dir / "rank{rank}.json"), *measure_options]
         if measure_dir else []

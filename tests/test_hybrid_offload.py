@@ -26,6 +26,7 @@ from fairseq_shard_plugin.memory.meters import (
 from fairseq_shard_plugin.sharding.options import ShardingConfig
 from fairseq_shard_plugin.sharding.settings import ranks_per_node, shard_group_size
 from fairseq_shard_plugin.training.launch_env import (
+    default_allocator_setting,
     first_slurm_host,
     host_threads_per_rank,
     slurm_as_torchrun,
@@ -203,6 +204,18 @@ def test_offloaded_run_reaches_the_same_loss(offload_pair: tuple[RunResult, RunR
     # FusedAdam (GPU state only)
     assert "fused implementation: fp32 parameters, fp32 moments, on the host" in offloaded.output
     assert "fused implementation" not in resident.output
+
+
+def test_sharded_cuda_runs_get_expandable_segments_unless_the_allocator_is_set() -> None:
+    environ: dict[str, str] = {}
+    assert default_allocator_setting(environ) == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    assert environ == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for mine in ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"},
+                 {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}):
+        before = dict(mine)
+        assert default_allocator_setting(mine) is None and mine == before
+    cpu: dict[str, str] = {}
+    assert default_allocator_setting(cpu, use_cuda=False) is None and not cpu
 
 
 def test_each_rank_of_a_node_gets_its_share_of_the_host_threads() -> None:

@@ -121,6 +121,26 @@ def host_threads_per_rank(environ: Mapping[str, str] = os.environ,
     return max(1, available // (ranks_per_node(environ) or 1))
 
 
+# CUDA's caching allocator grows segments in place instead of keeping freed blocks of
+# fixed-size segments: FSDP's gathers and frees of differently sized units otherwise leave
+# reserved memory far above the allocated peak (38 against 22 GiB in the first GPU run)
+ALLOCATOR_SETTING = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
+def default_allocator_setting(environ: os._Environ[str] | dict[str, str] = os.environ,
+                              use_cuda: bool = True) -> str | None:
+    """Set :data:`ALLOCATOR_SETTING` for a sharded CUDA run unless the user configured the
+    allocator (or CUDA is initialised already, when it would no longer apply); return what
+    was set, for the log."""
+    name, value = ALLOCATOR_SETTING
+    if not use_cuda or name in environ or "PYTORCH_ALLOC_CONF" in environ:
+        return None
+    if torch.cuda.is_initialized():
+        return None
+    environ[name] = value
+    return f"{name}={value}"
+
+
 def apply_torchrun_environment(
     cfg: Any, environ: os._Environ[str] | dict[str, str] = os.environ
 ) -> None:
