@@ -12,7 +12,7 @@ order within a unit and every input are those of the step run in line, so the re
 are bit-identical.
 
 Everything else that reads the shards or the optimizer state waits for all jobs first:
-the next step, state dicts (checkpoints, EMA), loading, and validation. Code outside
+the next step, state dicts (checkpoints), loading, and validation. Code outside
 fairseq's loop that reads parameters between updates calls :meth:`wait_all` itself.
 ``--no-host-step-overlap`` runs the step in line again.
 

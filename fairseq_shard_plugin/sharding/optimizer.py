@@ -90,6 +90,8 @@ def build_sharded_optimizer(cfg: Any, params: list[torch.Tensor], settings: Shar
         )
     if own_adam:
         fp16_moments = fp16_adam_stats(cfg.optimizer)
+        # chosen for speed alone (fp32 masters on GPUs), or because fairseq's cannot step
+        needs_own_adam = settings.sixteen_bit_parameters or settings.offload or fp16_moments
         fairseq_optimizer._optimizer = ShardedAdam(
             shards.locals, **fairseq_optimizer.optimizer_config, fp16_moments=fp16_moments,
             max_over_ranks=max_over_ranks)
@@ -98,6 +100,6 @@ def build_sharded_optimizer(cfg: Any, params: list[torch.Tensor], settings: Shar
             "16-bit" if settings.sixteen_bit_parameters else "fp32",
             "fp16 (scaled)" if fp16_moments else "fp32",
             ", on the host" if settings.offload else (
-                " (--use-old-adam: fairseq's)" if settings.device_type == "cuda" else ""))
+                " (--use-old-adam: fairseq's)" if not needs_own_adam else ""))
     scaler = fp16_loss_scaler(cfg) if settings.compute_dtype == torch.float16 else None
     return ShardedMasterOptimizer(cfg, fairseq_optimizer, scaler, shards)
