@@ -151,3 +151,15 @@ def test_the_offload_doc_quotes_the_overlap_figures() -> None:
         inline, background = rows(f"host_step_overlap_{ranks}rank")
         assert template.format(hidden=background["hidden"], inline=inline["host_wait_s"],
                                background=background["host_wait_s"]) in text, ranks
+
+
+def test_the_readmes_option_table_lists_every_plugin_option() -> None:
+    from dataclasses import fields
+
+    from fairseq_shard_plugin.sharding.options import ShardingConfig
+
+    text = (REPO / "README.md").read_text()
+    for option in fields(ShardingConfig):
+        if not option.name.startswith("_"):
+            flag = "--" + option.name.replace("_", "-")
+            assert f"| `{flag}` |" in text, flag
