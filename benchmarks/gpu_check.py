@@ -129,6 +129,10 @@ RUNS = [
         ["--fp16", *PLUGIN_TASK, "--keep-vocabulary-gathered"]),
     Run("plugin fsdp2 (the default), fp16, 16,384 tokens", True, ["--fp16", *PLUGIN_TASK],
         tokens=16384),
+    # every unit stays gathered from its forward to its backward: no gathers in backward
+    # (benchmarks/fsdp2_host_overhead.py: FSDP2's host time is mostly per unit and pass)
+    Run("plugin fsdp2, fp16, --no-reshard-after-forward", True,
+        ["--fp16", *PLUGIN_TASK, "--no-reshard-after-forward"]),
 ]
 # steady state: the words and time of updates STEADY[0]..STEADY[1] (after a warm-up), and a
 # profile of three of them
