@@ -299,26 +299,56 @@ def test_fp32_masters_on_gpus_step_with_the_fused_adam_unless_use_old_adam() -> 
     assert not uses_sharded_adam(sgd, gpu)
 
 
+# operations that only make views or allocate: no kernel on a GPU
+METADATA_OPS = {"aten.view.default", "aten.slice.Tensor", "aten.empty_like.default",
+                "aten.select.int", "aten.unbind.int", "aten.detach.default"}
+
+
+def dispatched_ops(optimizer: ShardedAdam, params: list[torch.Tensor], copies: int = 1
+                   ) -> dict[str, int]:
+    """The aten operations one step of the torch route dispatches, by name (a second step:
+    the first creates the state); ``params`` are ``copies`` times :data:`SHAPES`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    grads = [step * copies for step in gradients(2)]
+    train(optimizer, params, grads[:1], factor=1 / 512)
+    for param, grad in zip(params, grads[1], strict=True):
+        param.grad = (grad * 512).to(param.dtype)
+    with Counting() as counting:
+        optimizer.step(grad_factor=1 / 512)
+    return counting.ops
+
+
 @pytest.mark.parametrize("fp16_moments", [False, True])
 def test_the_torch_step_reads_no_value_back_from_a_tensor(fp16_moments: bool) -> None:
     """On a GPU each value read back (``float(t)``, ``.item()``) waits for every queued
     kernel: the torch route (GPUs, no compiler) reads none. The scales pass brings the
     pieces' maxima to the host in one copy; step counts and the gradient factor are filled
     on the device rather than copied from host memory."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class ReadBacks(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            self.count += func is torch.ops.aten._local_scalar_dense.default
-            return func(*args, **(kwargs or {}))
-
     params = start_params(torch.bfloat16)
     optimizer = ShardedAdam(params, fp16_moments=fp16_moments, native=False, **SETTINGS)
-    train(optimizer, params, gradients(1), factor=1 / 512)  # creates the state
-    with ReadBacks() as reads:
-        train(optimizer, params, gradients(2), factor=1 / 512)
-    assert reads.count == 0
+    ops = dispatched_ops(optimizer, params)
+    assert ops.get("aten._local_scalar_dense.default", 0) == 0
+
+
+@pytest.mark.parametrize("fp16_moments", [False, True])
+def test_the_torch_steps_kernels_do_not_grow_with_the_number_of_tensors(
+        fp16_moments: bool) -> None:
+    """Each chunk's arithmetic and copies are multi-tensor operations: a step over 4 times
+    as many tensors (in one chunk) launches the same kernels on a GPU."""
+    counts = []
+    for copies in (1, 4):
+        params = [param for _ in range(copies) for param in start_params(torch.bfloat16)]
+        optimizer = ShardedAdam(params, fp16_moments=fp16_moments, native=False, **SETTINGS)
+        ops = dispatched_ops(optimizer, params, copies)
+        counts.append({op: n for op, n in ops.items() if op not in METADATA_OPS})
+    assert counts[0] == counts[1]

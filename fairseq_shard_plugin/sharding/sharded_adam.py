@@ -268,53 +268,60 @@ class ShardedAdam(torch.optim.Optimizer):
     def _next_scales(self, group: dict[str, Any], params: list[torch.Tensor],
                      grad_factor: float) -> torch.Tensor:
         """The scales of this step's new 16-bit moments, ``[len(params), 2]``: a first pass
-        computes each new moment's largest magnitude piece by piece, and one all-reduce
-        takes the maxima over the ranks, before any moment is overwritten. The pieces'
-        maxima stay on their device until one copy brings them all to the host: on a GPU,
-        one synchronisation per step instead of three per parameter."""
+        computes each new moment's largest magnitude chunk by chunk, and one all-reduce
+        takes the maxima over the ranks, before any moment is overwritten. Each chunk's
+        arithmetic is a few multi-tensor (``_foreach``) operations, and the maxima stay on
+        their device until one copy brings them all to the host: on a GPU, a handful of
+        launches per chunk and one synchronisation per step, not about ten launches and
+        three synchronisations per parameter."""
         beta1, beta2 = group["betas"]
-        found: list[tuple[int, torch.Tensor]] = []  # (parameter index, [|m|max, v max])
-        for index, param in enumerate(params):
-            if param.grad is None:
+        found: list[tuple[list[int], torch.Tensor]] = []  # (indices, [|m|max, v max] rows)
+        for chunk in _chunks(params, self.state):
+            pieces = [piece for piece in chunk if piece.stop > piece.start]
+            if not pieces:
                 continue
-            for start, stop in _pieces(param):
-                if start == stop:
-                    continue
-                exp_avg, exp_avg_sq = _piece_moments(self.state[param], param, start, stop)
-                # the factor goes into the coefficients: an fp32 gradient is the gradient
-                # itself (``.float()`` is no copy), which the update still reads unscaled
-                grad = _flat(param.grad)[start:stop].float()
-                exp_avg.mul_(beta1).add_(grad, alpha=(1 - beta1) * grad_factor)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=(1 - beta2) * grad_factor**2)
-                # the second moment is never negative: its largest value is the largest
-                found.append((index, torch.stack([_magnitude(exp_avg), exp_avg_sq.amax()])))
-        maxima = torch.zeros(len(params), 2)
+            # the factor goes into the coefficients: fp32 gradients are read in place,
+            # and the update still reads them unscaled
+            grads = _as_fp32([_flat(piece.param.grad)[piece.start:piece.stop]
+                              for piece in pieces])
+            avgs, avg_sqs = _fp32_moments(self.state, pieces)
+            torch._foreach_mul_(avgs, beta1)
+            torch._foreach_add_(avgs, grads, alpha=(1 - beta1) * grad_factor)
+            torch._foreach_mul_(avg_sqs, beta2)
+            torch._foreach_addcmul_(avg_sqs, grads, grads, value=(1 - beta2) * grad_factor**2)
+            # the infinity norm is the largest magnitude, exactly; the second moment is
+            # never negative, so its largest magnitude is its largest value
+            largest = torch.stack([torch.stack(torch._foreach_norm(moments, math.inf))
+                                   for moments in (avgs, avg_sqs)], dim=1)
+            found.append(([piece.index for piece in pieces], largest))
+        largest_of = [[0.0, 0.0] for _ in params]
         if found:
             device = found[0][1].device
-            pairs = torch.stack([pair.to(device) for _, pair in found]).cpu()
-            for (index, _), pair in zip(found, pairs, strict=True):
-                maxima[index] = torch.maximum(maxima[index], pair)
+            rows = torch.cat([largest.to(device) for _, largest in found]).tolist()
+            indices = [index for chunk_indices, _ in found for index in chunk_indices]
+            for index, row in zip(indices, rows, strict=True):  # host floats: no kernels
+                largest_of[index] = [_larger(a, b) for a, b in zip(largest_of[index], row,
+                                                                    strict=True)]
+        maxima = torch.tensor(largest_of, dtype=torch.float32).view(len(params), 2)
         if self.max_over_ranks is not None:
             self.max_over_ranks(maxima.view(-1))
         return 1e-8 + maxima / FLOAT16_MAX
 
     def _update(self, group: dict[str, Any], chunk: list[_Piece], grad_factor: float,
                 scales: torch.Tensor | None) -> None:
-        """torch's fused Adam over one chunk of pieces, in fp32, written back."""
+        """torch's fused Adam over one chunk of pieces, in fp32, written back; the copies
+        to and from 16 bits are multi-tensor operations over the whole chunk."""
         beta1, beta2 = group["betas"]
         rows = scales.tolist() if scales is not None else None  # host floats, no reads
         step = self.state[chunk[0].param].get("step", 0) + 1
         device = chunk[0].param.device
-        params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
-        for piece in chunk:
-            param, start, stop = piece.param, piece.start, piece.stop
-            if scales is None:
-                _ensure_fp32_moments(self.state[param], param)
-            exp_avg, exp_avg_sq = _piece_moments(self.state[param], param, start, stop)
-            exp_avgs.append(exp_avg)
-            exp_avg_sqs.append(exp_avg_sq)
-            params.append(_flat(param)[start:stop].float())  # a view when already fp32
-            grads.append(_flat(param.grad)[start:stop].float())
+        if scales is None:
+            for piece in chunk:
+                _ensure_fp32_moments(self.state[piece.param], piece.param)
+        targets = [_flat(piece.param)[piece.start:piece.stop] for piece in chunk]
+        params = _as_fp32(targets)  # the targets themselves when already fp32
+        grads = _as_fp32([_flat(piece.param.grad)[piece.start:piece.stop] for piece in chunk])
+        exp_avgs, exp_avg_sqs = _fp32_moments(self.state, chunk)
         torch_adam(
             params, grads, exp_avgs, exp_avg_sqs, [],
             # made on the device (a fill, not a copy from host memory that would wait for
@@ -327,16 +334,16 @@ class ShardedAdam(torch.optim.Optimizer):
             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
             eps=group["eps"] / math.sqrt(1 - beta2**step),
         )
-        for piece, fp32, exp_avg, exp_avg_sq in zip(chunk, params, exp_avgs, exp_avg_sqs,
-                                                     strict=True):
-            target = _flat(piece.param)[piece.start:piece.stop]
-            if fp32.data_ptr() != target.data_ptr():
-                target.copy_(fp32)
-            if scales is not None:
-                state = self.state[piece.param]
-                for which, moment in enumerate((exp_avg, exp_avg_sq)):
-                    stored = _flat(state[MOMENTS[which]])[piece.start:piece.stop]
-                    stored.copy_(moment.div_(rows[piece.index][which]))
+        copied = [(target, fp32) for target, fp32 in zip(targets, params, strict=True)
+                  if fp32 is not target]
+        if copied:
+            torch._foreach_copy_([target for target, _ in copied], [fp32 for _, fp32 in copied])
+        if rows is not None:
+            for which, moments in enumerate((exp_avgs, exp_avg_sqs)):
+                torch._foreach_div_(moments, [rows[piece.index][which] for piece in chunk])
+                torch._foreach_copy_(
+                    [_flat(self.state[piece.param][MOMENTS[which]])[piece.start:piece.stop]
+                     for piece in chunk], moments)
 
 
 class _Piece(NamedTuple):
@@ -391,18 +398,37 @@ def _pieces(param: torch.Tensor) -> Iterator[tuple[int, int]]:
         yield start, min(start + CHUNK_ELEMENTS, numel)
 
 
-def _piece_moments(state: dict[str, Any], param: torch.Tensor, start: int, stop: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Elements ``start:stop`` of both moments in fp32: views of fp32 moments, copies of
-    scaled 16-bit ones (as this optimizer or FusedAdamV1 stores them); zeros at first."""
-    _ensure_scaled_moments(state, param)
-    moments = []
+def _as_fp32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` in fp32: fp32 ones as they are, the others copied in one multi-tensor
+    copy (one launch on a GPU instead of one per tensor)."""
+    converted = list(tensors)
+    narrow = [index for index, tensor in enumerate(tensors) if tensor.dtype != torch.float32]
+    if narrow:
+        copies = [torch.empty_like(tensors[index], dtype=torch.float32) for index in narrow]
+        torch._foreach_copy_(copies, [tensors[index] for index in narrow])
+        for index, copy in zip(narrow, copies, strict=True):
+            converted[index] = copy
+    return converted
+
+
+def _fp32_moments(state: dict[torch.Tensor, dict[str, Any]], pieces: list[_Piece]
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Both moments of ``pieces`` in fp32: views of fp32 moments, copies of scaled 16-bit
+    ones multiplied by their scales (as this optimizer or FusedAdamV1 stores them); zeros
+    at first."""
+    moments: list[list[torch.Tensor]] = []
     for moment_key, scale_key in zip(MOMENTS, SCALES, strict=True):
-        moment = _flat(state[moment_key])[start:stop]
-        if moment.dtype == torch.float32:
-            moments.append(moment)
-        else:
-            moments.append(moment.float().mul_(float(state.get(scale_key, 1.0))))
+        stored = []
+        for piece in pieces:
+            _ensure_scaled_moments(state[piece.param], piece.param)
+            stored.append(_flat(state[piece.param][moment_key])[piece.start:piece.stop])
+        values = _as_fp32(stored)
+        scaled = [(values[index], float(state[piece.param].get(scale_key, 1.0)))
+                  for index, piece in enumerate(pieces)
+                  if stored[index].dtype != torch.float32]
+        if scaled:
+            torch._foreach_mul_([value for value, _ in scaled], [scale for _, scale in scaled])
+        moments.append(values)
     return moments[0], moments[1]
 
 
@@ -424,15 +450,17 @@ def _ensure_fp32_moments(state: dict[str, Any], param: torch.Tensor) -> None:
             state[moment_key] = state[moment_key].float().mul_(float(state.pop(scale_key, 1.0)))
 
 
-def _magnitude(tensor: torch.Tensor) -> torch.Tensor:
-    """max |x| of a non-empty tensor, on its device, in one pass and without a temporary
-    (``abs`` would allocate one)."""
-    smallest, largest = torch.aminmax(tensor)
-    return torch.maximum(-smallest, largest)
+def _larger(a: float, b: float) -> float:
+    """The larger of two maxima, NaN winning (as ``torch.maximum`` and the C step)."""
+    return b if b > a or math.isnan(b) else a
 
 
 def _largest_magnitude(tensor: torch.Tensor) -> float:
-    return float(_magnitude(tensor)) if tensor.numel() else 0.0
+    """max |x| in one pass and without a temporary (``abs`` would allocate one)."""
+    if not tensor.numel():
+        return 0.0
+    smallest, largest = torch.aminmax(tensor)
+    return max(-float(smallest), float(largest))
 
 
 def _chunks(params: list[torch.Tensor], state: dict[torch.Tensor, dict[str, Any]]
