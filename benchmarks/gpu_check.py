@@ -348,9 +348,19 @@ def finish_rows(rows: list[dict], peak: float | None) -> None:
             row["mfu"] = f"{100 * row['model_flops_per_second'] / peak:.1f}%"
 
 
-def trainings(budget: float, dry_run: bool) -> None:
+def selected_runs(first_run: int) -> tuple[str, list[Run]]:
+    """The results' name and the runs from the ``first_run``-th of :data:`RUNS` (1-based)
+    on, after the stock run, which every call measures for the ratios: a second call takes
+    the runs a first one had no time for."""
+    if first_run <= 1:
+        return "gpu_check", list(RUNS)
+    return f"gpu_check_from{first_run}", [RUNS[0], *RUNS[first_run - 1:]]
+
+
+def trainings(budget: float, dry_run: bool, first_run: int = 1) -> None:
     """Part 1: the trainings, in order of importance (the budget may end the list early);
     results rewritten after each."""
+    name, runs = selected_runs(first_run)
     deadline = Deadline(budget)
     work, data = check_data("gpu_check", dry_run)
     if dry_run:
@@ -359,7 +369,8 @@ def trainings(budget: float, dry_run: bool) -> None:
     else:
         model, updates, window, profiled = MODEL, STEADY[1], STEADY, PROFILED
     peak = None if dry_run else peak_flops()
-    note = ("Produced by `bash benchmarks/gpu_check.sh` on one GPU: the NLLB-600M shape (12+12 "
+    command = "bash benchmarks/gpu_check.sh" + (f" from {first_run}" if first_run > 1 else "")
+    note = (f"Produced by `{command}` on one GPU: the NLLB-600M shape (12+12 "
             f"layers, d 1024, ffn 4096, vocabulary {NLLB_VOCABULARY:,}), world size 1, "
             f"{updates} updates, 4,096 tokens per update unless named. Steady state: words/s "
             f"and ms per update over updates {window[0]}-{window[1]} (the optimizer steps' "
@@ -373,7 +384,7 @@ def trainings(budget: float, dry_run: bool) -> None:
             "maxima over the whole run.")
     measure_options = ("--profile-updates", f"{profiled[0]}-{profiled[1]}")
     rows: list[dict] = []
-    for spec in RUNS:
+    for spec in runs:
         tag = f"run{len(rows)}"
         args = training_args(data, work / tag, max_update=updates,
                              max_tokens=256 if dry_run else spec.tokens, cpu=dry_run)
@@ -409,10 +420,10 @@ def trainings(budget: float, dry_run: bool) -> None:
             for _, key in TRAINING_COLUMNS:
                 row.setdefault(key, None)
         finished = sum(row["status"] == "ok" for row in rows)
-        partial = ("" if len(rows) == len(RUNS) else
-                   f" Partial: {len(rows)} of {len(RUNS)} runs so far.")
-        table = write_results("gpu_check", rows, TRAINING_COLUMNS,
-                              f"{note} {finished} of {len(RUNS)} runs finished.{partial}")
+        partial = ("" if len(rows) == len(runs) else
+                   f" Partial: {len(rows)} of {len(runs)} runs so far.")
+        table = write_results(name, rows, TRAINING_COLUMNS,
+                              f"{note} {finished} of {len(runs)} runs finished.{partial}")
     print(table)
 
 
@@ -532,11 +543,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("part", nargs="?", choices=("trainings", "memory"), default="trainings")
+    parser.add_argument("--from-run", type=int, default=1,
+                        help="trainings from this run of the list on (1-based), after the "
+                        "stock run: results in gpu_check_fromN.*")
     options = parse_part_options(parser, argv, len(RUNS) * RUN_TIMEOUT, "gpu_check")
     if options.part == "memory":
         memory_part(options.budget, options.dry_run)
     else:
-        trainings(options.budget, options.dry_run)
+        trainings(options.budget, options.dry_run, options.from_run)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@
 #   part 1, trainings (at most 90 s each, in order of importance)            440 s
 #   part 3, the 3.3B one-GPU recipe (only the seconds the steps before leave)  0 s
 #   part 2, configurations (only the seconds the steps before leave)           0 s
-# With `offload`: install 30 s, nvidia-smi 10 s, part 3 440 s.
+# With `offload`: install 30 s, nvidia-smi 10 s, part 3 440 s. With `from N`: part 1's runs
+# from the N-th on (after the stock run, for the ratios), for the runs a first call left.
 # Each part writes its results after every run, and they are copied to $OUT (if set) when
 # the part ends, so a timeout keeps what finished. The script exits 0 with a summary of
 # what ran, whatever a step's outcome (2 only when it cannot start: no fairseq, no .whl/).
@@ -67,8 +68,8 @@ summary() {
     echo
     echo "== gpu_check summary ($((SECONDS - START)) s) =="
     printf '  %s\n' "${SUMMARY[@]}"
-    for name in gpu_check gpu_offload_3_3b gpu_memory_600m; do
-        [ -f "benchmarks/results/$name.md" ] && { echo "-- $name.md"; cat "benchmarks/results/$name.md"; }
+    for file in benchmarks/results/{gpu_check,gpu_check_from*,gpu_offload_3_3b,gpu_memory_600m}.md; do
+        [ -f "$file" ] && { echo "-- ${file##*/}"; cat "$file"; }
     done
     exit 0
 }
@@ -110,6 +111,11 @@ offload_part() {
 }
 if [ "${1:-}" = offload ]; then
     offload_part 440
+    summary
+fi
+if [ "${1:-}" = from ]; then  # `from N`: part 1's runs from the N-th on, after stock's
+    part "part 1 from run ${2:?a run number} (benchmarks/results/gpu_check_from$2.*)" 440 \
+        "gpu_check_from$2" trainings --from-run "$2"
     summary
 fi
 part "part 1, steady-state speed (benchmarks/results/gpu_check.*)" 440 gpu_check trainings

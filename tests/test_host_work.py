@@ -71,3 +71,12 @@ def test_the_gpu_checks_steady_state_and_profile_come_from_a_real_run(
     assert row["host_wait_seconds"] == round(
         sum(run.series("train_inner", "host_wait")[2:6]) / 4, 2)
     assert 0 <= int(row["host_wait_share"].rstrip("%")) < 100
+
+
+def test_a_second_gpu_check_call_measures_the_runs_a_first_one_left() -> None:
+    from benchmarks.gpu_check import RUNS, selected_runs
+
+    assert selected_runs(1) == ("gpu_check", RUNS)
+    name, runs = selected_runs(5)
+    assert name == "gpu_check_from5"
+    assert runs == [RUNS[0], *RUNS[4:]] and not runs[0].plugin  # stock first, for the ratios
