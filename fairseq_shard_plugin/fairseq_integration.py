@@ -117,6 +117,15 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
     --keep-vocabulary-gathered?``), and the same exit status 2; other parsers keep
     argparse's behaviour.
 
+12. ``checkpoint_utils.verify_checkpoint_directory``: fairseq's ``main`` calls it on its
+    master rank to create the save dir and probe it with a file named ``dummy``. Where the
+    plugin arrives inside ``main`` (``fairseq-hydra-train`` with ``common.user_dir`` and
+    without the plugin's Hydra callback), hook 4 has not told fairseq the ranks yet, so
+    every rank believes it is the master and they create and remove the same file at
+    once: one of them fails with ``FileNotFoundError: .../dummy``. The wrapper runs the
+    check only on the rank the launcher numbered 0 (torchrun's ``RANK``, srun's
+    ``SLURM_PROCID``); without a launcher, as fairseq does.
+
 Signatures that differ between fairseq 0.12 and the nllb branch (extra keyword arguments of
 ``fsdp_enable_wrap``, ``save_checkpoint``, ``load_checkpoint_to_cpu``, ``Trainer.state_dict``
 and ``Trainer.save_checkpoint``) are passed through, so both work.
@@ -169,6 +178,7 @@ from fairseq_shard_plugin.sharding.precision import untie_bf16_from_tpu
 from fairseq_shard_plugin.training.launch_env import (
     apply_torchrun_environment,
     default_allocator_setting,
+    launcher_rank,
     uses_cuda,
 )
 from fairseq_shard_plugin.training.private_state import with_private_loaded_state
@@ -485,6 +495,15 @@ def _importing_the_plugin_once(stock_import: Callable[..., Any]) -> Callable[...
     return _marked(import_user_module, stock_import)
 
 
+def _verifying_on_rank_zero(stock_verify: Callable[..., Any]) -> Callable[..., Any]:
+    def verify_checkpoint_directory(save_dir: str, *args: Any, **kwargs: Any) -> Any:
+        if launcher_rank() not in (None, 0):  # hook 12: rank 0 probes the save dir
+            return None
+        return stock_verify(save_dir, *args, **kwargs)
+
+    return _marked(verify_checkpoint_directory, stock_verify)
+
+
 def _short_parser_errors(stock_error: Callable[..., Any]) -> Callable[..., Any]:
     """Replaces ``argparse.ArgumentParser.error`` (hook 11)."""
 
@@ -557,6 +576,7 @@ def _unhookable() -> list[str]:
         (distributed_utils, "call_main"),
         (checkpoint_utils, "load_checkpoint_to_cpu"),
         (checkpoint_utils, "save_checkpoint"),
+        (checkpoint_utils, "verify_checkpoint_directory"),
         (fairseq_utils, "import_user_module"),
         (checkpoint_utils.PathManager, "copy"),  # hook 5 swaps the module's PathManager
         # the private methods ShardedTrainer overrides (hook 2)
@@ -638,6 +658,9 @@ def install() -> None:
             checkpoint_utils.load_checkpoint_to_cpu)
     if not _is_plugin_hook(checkpoint_utils.save_checkpoint):
         checkpoint_utils.save_checkpoint = _with_atomic_copies(checkpoint_utils.save_checkpoint)
+    if not _is_plugin_hook(checkpoint_utils.verify_checkpoint_directory):
+        checkpoint_utils.verify_checkpoint_directory = _verifying_on_rank_zero(
+            checkpoint_utils.verify_checkpoint_directory)
     if not _is_plugin_hook(distributed_utils.call_main):
         distributed_utils.call_main = _with_launcher_environment(distributed_utils.call_main)
     if not _is_plugin_hook(argparse.ArgumentParser.error):

@@ -12,6 +12,7 @@ from pathlib import Path
 import fairseq
 import pytest
 
+from fairseq_shard_plugin.training.launch_env import launcher_rank
 from launching.harness import run_command
 
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
@@ -194,3 +195,23 @@ def test_fconv_layer_specs_from_a_config_are_evaluated_as_data_only(tmp_path: Pa
     line = result.stdout.strip().splitlines()[-1]
     assert line.startswith("the model config's layer spec \"__import__('os')"), line
     assert "holds boolop syntax: only literals joined by + and * are evaluated" in line, line
+
+
+def test_only_the_launchers_rank_0_probes_the_save_dir(tmp_path: Path) -> None:
+    """Hook 12: where every rank believes it is fairseq's master (the plugin loaded inside
+    ``main``), only the rank the launcher numbered 0 creates and probes the save dir; the
+    others' probes of the same ``dummy`` file no longer race with it."""
+    result = run_python(f"""
+        import os
+        from argparse import Namespace
+        from fairseq import checkpoint_utils, utils
+        utils.import_user_module(Namespace(user_dir={str(PLUGIN_DIR)!r}))
+        for rank in ("1", "0"):
+            os.environ["RANK"] = rank
+            checkpoint_utils.verify_checkpoint_directory({str(tmp_path)!r} + "/rank" + rank)
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (tmp_path / "rank1").exists()
+    assert (tmp_path / "rank0").is_dir() and not (tmp_path / "rank0" / "dummy").exists()
+    assert launcher_rank({"SLURM_PROCID": "3"}) == 3
+    assert launcher_rank({"RANK": "2", "SLURM_PROCID": "3"}) == 2 and launcher_rank({}) is None
