@@ -1,9 +1,10 @@
 /* Adam's host step over tensors stored in fp32, fp16 or bf16, in place and in fp32 math.
  *
  * Built on first use by native_adam.py (plain C, no torch headers: about a second).
- * ShardedAdam calls it through ctypes for CPU shards that are 16-bit anywhere
- * (parameters, gradients or moments), where torch would need fp32 copies and several
- * passes. Two passes per step with scaled fp16 moments, the second alone otherwise:
+ * ShardedAdam calls it through ctypes for CPU shards of any of these dtypes (where torch
+ * would need fp32 copies of 16-bit ones and several passes), in line or per unit in a
+ * background thread. Two passes per step with scaled fp16 moments, the second alone
+ * otherwise:
  *
  *   adam_moment_maxima: the largest |new exp_avg| and new exp_avg_sq of each tensor, which
  *                       the scaled fp16 moments need before any of them is written

@@ -164,8 +164,9 @@ class ShardedAdam(torch.optim.Optimizer):
             if library is not None:
                 return self._native_update(library, group, params, grad_factor)
         scales = self._next_scales(group, params, grad_factor) if self.fp16_moments else None
+        rows = scales.tolist() if scales is not None else None  # host floats, no reads
         for chunk in _chunks(params, self.state):
-            self._update(group, chunk, grad_factor, scales)
+            self._update(group, chunk, grad_factor, rows)
         return scales
 
     def _takes_native_step(self, params: list[torch.Tensor]) -> bool:
@@ -308,14 +309,14 @@ class ShardedAdam(torch.optim.Optimizer):
         return 1e-8 + maxima / FLOAT16_MAX
 
     def _update(self, group: dict[str, Any], chunk: list[_Piece], grad_factor: float,
-                scales: torch.Tensor | None) -> None:
-        """torch's fused Adam over one chunk of pieces, in fp32, written back; the copies
-        to and from 16 bits are multi-tensor operations over the whole chunk."""
+                rows: list[list[float]] | None) -> None:
+        """torch's fused Adam over one chunk of pieces, in fp32, written back (scaled fp16
+        moments divided by ``rows[index]``, the scales of the ``index``-th parameter); the
+        copies to and from 16 bits are multi-tensor operations over the whole chunk."""
         beta1, beta2 = group["betas"]
-        rows = scales.tolist() if scales is not None else None  # host floats, no reads
         step = self.state[chunk[0].param].get("step", 0) + 1
         device = chunk[0].param.device
-        if scales is None:
+        if rows is None:
             for piece in chunk:
                 _ensure_fp32_moments(self.state[piece.param], piece.param)
         targets = [_flat(piece.param)[piece.start:piece.stop] for piece in chunk]
