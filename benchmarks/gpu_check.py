@@ -109,6 +109,12 @@ RUNS = [
     # launches about ten kernels per parameter tensor (FSDP2 keeps ~400 tensors)
     Run("plugin fsdp2, fp16, fairseq's own Adam (--use-old-adam)", True,
         ["--fp16", *PLUGIN_TASK, "--use-old-adam"]),
+    # one unit gathered from forward to backward: FSDP2's hooks once per pass instead of
+    # per layer, no copies in backward (CPU proxy: 15% less host time per update,
+    # benchmarks/results/dispatch_ops.md); at world size 1 it costs the gathered fp16 copy
+    Run("plugin fsdp2, fp16, one unit kept gathered (--root-unit-only "
+        "--no-reshard-after-forward)", True,
+        ["--fp16", *PLUGIN_TASK, "--root-unit-only", "--no-reshard-after-forward"]),
     Run("plugin fsdp2, the NLLB configs (16-bit state and memory features)", True,
         ["--memory-efficient-fp16", "--fp16-adam-stats", *PLUGIN_TASK, *NLLB_FEATURES]),
     # sharded CUDA runs get expandable segments from the plugin unless the variable is set

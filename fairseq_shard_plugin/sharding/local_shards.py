@@ -64,10 +64,10 @@ class LocalShards:
         return grads
 
     def zero_grad(self) -> None:
-        """Drop the gradients of the parameters and of their local stand-ins."""
-        for param, local in zip(self.params, self.locals, strict=True):
+        """Drop the parameters' gradients. Those of the local stand-ins are the optimizer's
+        to drop (fairseq's ``zero_grad`` clears its parameters' already, twice)."""
+        for param in self.params:
             param.grad = None
-            local.grad = None
 
     def _params_in_state_order(self, optimizer: torch.optim.Optimizer) -> Iterator[tuple]:
         """(local, param) in the order torch numbers the entries of a state dict."""
