@@ -145,27 +145,37 @@ def test_the_library_is_built_once_per_cache_and_reused(tmp_path: Path) -> None:
     assert [p.stat().st_mtime_ns for p in built] == [modified]
 
 
-@pytest.fixture(scope="module")
-def portable_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+@pytest.fixture(scope="module", params=["x86-64", "haswell"])
+def portable_library(request: pytest.FixtureRequest,
+                     tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     """The same source built for any x86-64 (no AVX2): its one-value-at-a-time loops,
-    which CPUs without the vector instructions run (on this CPU only the tails do)."""
+    which CPUs without the vector instructions run (on this CPU only the tails do); and
+    for AVX2 without AVX-512: its 8-wide loops, which this CPU's build runs only on what
+    the 16-wide ones leave."""
     if platform.machine() != "x86_64":
-        pytest.skip("the portable build is checked on x86-64")
-    path = tmp_path_factory.mktemp("portable") / "native_adam.so"
+        pytest.skip("the portable builds are checked on x86-64")
+    if request.param == "haswell" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    path = tmp_path_factory.mktemp(request.param) / "native_adam.so"
     flags = [flag for flag in native_adam.FLAGS if flag != "-march=native"]
-    subprocess.run(["cc", *flags, "-march=x86-64", "-o", str(path), str(native_adam.SOURCE)],
-                   check=True, capture_output=True)
+    subprocess.run(["cc", *flags, f"-march={request.param}", "-o", str(path),
+                    str(native_adam.SOURCE)], check=True, capture_output=True)
     library = ctypes.CDLL(str(path))
     for name in ("adam_moment_maxima", "adam_update"):
         getattr(library, name).restype = ctypes.c_int
     return library
 
 
+def _cpu_flags() -> set[str]:
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    return {flag for line in lines if line.startswith("flags") for flag in line.split()}
+
+
 @pytest.mark.parametrize("fp16_moments", [False, True])
 def test_the_portable_loops_give_the_vector_loops_bits(
     portable_library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch, fp16_moments: bool
 ) -> None:
-    shapes = [(1029,), (7, 3), (64,)]  # tails of every length the vector loops leave
+    shapes = [(1029,), (7, 3), (64,), (24,)]  # tails of every length the vector loops leave
     vectors, vector_step = run(torch.bfloat16, native=True, fp16_moments=fp16_moments,
                                shapes=shapes, factor=0.3)
     monkeypatch.setattr(sharded_adam, "native_library", lambda: portable_library)
