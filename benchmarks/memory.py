@@ -87,6 +87,9 @@ OPTIONAL_CONFIGURATIONS = (
     Configuration("nllb-settings+16-bit-state", "... and --fp16-adam-stats: 16-bit moments "
                   "too (8 B per parameter, Meta's NLLB recipe)", None,
                   (*NLLB_SETTINGS, "--memory-efficient-bf16", "--fp16-adam-stats")),
+    Configuration("nllb-settings+16-bit-state-one-rank", "the same on one rank (as the GPU "
+                  "check's NLLB-configs training row)", 1,
+                  (*NLLB_SETTINGS, "--memory-efficient-bf16", "--fp16-adam-stats")),
     Configuration("nllb-settings+16-bit-state+offload", "... and --cpu-offload: the model "
                   "state on the host (configs/nllb/finetune_3_3b_1gpu.yaml at world size 1)",
                   None, (*NLLB_SETTINGS, "--memory-efficient-bf16", "--fp16-adam-stats",

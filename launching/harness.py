@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,10 +55,40 @@ def rank_environment(threads: int | None = 1) -> dict[str, str]:
     return env
 
 
+_PORTS_GIVEN: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port for a launch's rendezvous, never the same twice in this process, and
+    outside the kernel's ephemeral range: a port that ``bind(0)`` handed out and released
+    could become any outgoing connection's source port (another launch's ranks connecting
+    to their own store) before this launch's rank 0 binds it."""
+    low, high = _ephemeral_ports()
+    choices = range(10000, low) if low > 12000 else range(high + 1, 65536)
+    with _PORTS_LOCK:
+        for _ in range(1000):
+            port = random.choice(choices)
+            if port in _PORTS_GIVEN:
+                continue
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _PORTS_GIVEN.add(port)
+            return port
+    raise RuntimeError(f"no free port in {choices}")
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of source ports for outgoing connections (Linux; its default
+    elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def transformer_args(dim: int, ffn: int, layers: int, heads: int = 4) -> list[str]:
