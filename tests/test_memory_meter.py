@@ -4,6 +4,9 @@ autograd does."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -128,3 +131,30 @@ def test_peaks_across_resets_keep_the_largest_peak_before_each_reset() -> None:
     assert peaks.fold() == {"allocated": 500}
     allocate(1000)
     assert peaks.fold() == {"allocated": 1150}  # the current peak counts too
+
+
+@pytest.mark.e2e
+def test_the_measuring_launcher_activates_the_plugin_given_as_user_dir_equals(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """``--user-dir=PATH`` (one argument) names the plugin as ``--user-dir PATH`` does: the
+    launcher has imported the package, so fairseq would skip the user dir unless the
+    launcher activates it (else ``--task sharded_translation`` is unknown)."""
+    from launching.harness import (
+        PLUGIN_DIR,
+        rank_environment,
+        start_ranks,
+        tool,
+        training_args,
+        transformer_args,
+    )
+
+    args = training_args(corpus, tmp_path / "save", max_update=1, max_tokens=256)
+    args += transformer_args(dim=32, ffn=64, layers=1, heads=2) + [
+        "--no-save", "--disable-validation", f"--user-dir={PLUGIN_DIR}",
+        "--task", "sharded_translation", "--ddp-backend", "fully_sharded"]
+    command = [tool("fairseq-shard-measure-train"), "--measure-out",
+               str(tmp_path / "measured_{rank}.json"), *args]
+    code, output = start_ranks(command, 1, rank_environment())
+    assert code == 0, output[-3000:]
+    assert (tmp_path / "measured_0.json").is_file()

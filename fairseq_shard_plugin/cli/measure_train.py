@@ -92,9 +92,12 @@ def cuda_peaks_across_resets() -> Iterator[PeaksAcrossResets | None]:
 
 
 def _names_the_plugin_as_user_dir(fairseq_args: list[str]) -> bool:
-    for flag, value in zip(fairseq_args, fairseq_args[1:], strict=False):
-        if flag == "--user-dir":
-            return names_this_plugin(value)
+    """Whether ``--user-dir X`` or ``--user-dir=X`` names this plugin."""
+    for index, flag in enumerate(fairseq_args):
+        if flag == "--user-dir" and index + 1 < len(fairseq_args):
+            return names_this_plugin(fairseq_args[index + 1])
+        if flag.startswith("--user-dir="):
+            return names_this_plugin(flag.split("=", 1)[1])
     return False
 
 
