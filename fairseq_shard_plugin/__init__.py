@@ -25,14 +25,17 @@ __version__ = "0.1.0"
 
 def activate() -> None:
     """What loading the user dir does: register, allow fairseq's checkpoint config types in
-    ``weights_only`` loading, install the hooks (each step idempotent)."""
+    ``weights_only`` loading, install the hooks, hide fairseq's known-harmless deprecation
+    warnings (each step idempotent)."""
     from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
     from fairseq_shard_plugin.fairseq_integration import install
     from fairseq_shard_plugin.tasks import register
+    from fairseq_shard_plugin.training.harmless_warnings import hide_harmless_warnings
 
     register()
     allow_fairseq_checkpoint_types()
     install()
+    hide_harmless_warnings()
 
 
 def names_this_plugin(user_dir: str) -> bool:

@@ -13,11 +13,15 @@ import pytest
 
 from launching import forkserver
 from launching.harness import (
+    PLUGIN_DIR,
     REPO,
     rank_environment,
     run_command,
     run_concurrently,
+    start_ranks,
     tool,
+    training_args,
+    transformer_args,
 )
 
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
@@ -51,6 +55,23 @@ def test_console_scripts_print_only_their_own_output(corpus: Path, tmp_path: Pat
         f"fairseq-shard-consolidate: error: {checkpoint}: not a PyTorch checkpoint: the file "
         "starts with bytes 6e6f7420, neither a zip archive (torch.save since torch 1.6) nor "
         "the legacy pickle format")
+
+
+def test_a_training_prints_none_of_fairseqs_own_deprecation_warnings(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """fairseq-train with the plugin: the Hydra and torch deprecation notices that fairseq's
+    own calls trigger (training/harmless_warnings.py) are gone; only fairscale's, printed
+    at fairseq's import before the plugin loads, remain."""
+    args = training_args(corpus, tmp_path / "save", max_update=1, max_tokens=256)
+    args += transformer_args(dim=32, ffn=64, layers=1, heads=2) + [
+        "--no-save", "--disable-validation", "--user-dir", str(PLUGIN_DIR),
+        "--task", "sharded_translation", "--ddp-backend", "fully_sharded"]
+    code, output = start_ranks([tool("fairseq-train"), *args], 1, rank_environment())
+    assert code == 0, output[-3000:]
+    shown = [line for line in output.splitlines()
+             if "Warning" in line and "/fairscale/" not in line]
+    assert shown == [], shown
 
 
 def test_the_readmes_walkthrough_runs_from_data_to_translations(tmp_path: Path) -> None:
