@@ -193,3 +193,28 @@ def test_odd_lengths_match_the_torch_step_within_a_rounding() -> None:
     reference, _ = run(torch.float16, native=False, shapes=shapes, factor=0.3)
     for a, b in zip(ours, reference, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=0)  # one fp16 step at most
+
+
+def test_the_maxima_pass_finds_the_largest_moment_in_every_lane(
+    portable_library: ctypes.CDLL
+) -> None:
+    """A single nonzero gradient at each position of a tensor longer than two vectors: each
+    build's maxima pass (16 lanes, 8, or none) reports its moments, wherever it sits."""
+    group = native_adam.AdamGroup(beta2=0.98, avg_sq_grad_coefficient=0.02, lerp_weight=0.1,
+                                  keep=1.0, grad_divisor=1.0)
+    for library in (native_library(), portable_library):
+        for position in range(40):
+            grad = torch.zeros(40, dtype=torch.bfloat16)
+            grad[position] = 1.0
+            param = torch.zeros(40, dtype=torch.bfloat16)
+            moments = [torch.zeros(40, dtype=torch.float16) for _ in range(2)]
+            entry = native_adam.AdamTensor(
+                param=param.data_ptr(), grad=grad.data_ptr(), exp_avg=moments[0].data_ptr(),
+                exp_avg_sq=moments[1].data_ptr(), numel=40, param_dtype=2, grad_dtype=2,
+                moment_dtype=1)
+            entry.scale_in[:] = [1.0, 1.0]
+            largest = torch.zeros(1, 2)
+            assert library.adam_moment_maxima((native_adam.AdamTensor * 1)(entry), 1,
+                                              ctypes.byref(group),
+                                              ctypes.c_void_p(largest.data_ptr()), 1) == 0
+            assert largest.tolist() == [[pytest.approx(0.1), pytest.approx(0.02)]], position

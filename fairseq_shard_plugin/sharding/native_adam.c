@@ -298,148 +298,36 @@ static void update_blocks(const AdamTensor *t, const AdamGroup *group, int64_t s
 }
 
 #ifdef VECTOR_CONVERSIONS
-/* Elements prefetched ahead of the vector loops. One thread streams only a few of its
- * tensors' lines from memory at a time; asking for them this far ahead made the 16-bit
- * step about a fifth faster on one thread (benchmarks/host_adam_passes.py). */
-enum { AHEAD = 1024 };
-
-/* Requests the cache line of element `at + AHEAD` of a tensor, when it is before `stop`. */
-static inline void prefetch(const void *base, int dtype, int64_t at, int64_t stop) {
-    if (at + AHEAD < stop)
-        _mm_prefetch((const char *)base + (at + AHEAD) * (dtype == F32 ? 4 : 2), _MM_HINT_T0);
-}
-
-/* The same step 8 elements at a time, each value kept in registers from load to store
- * (the block loops above pass every value through L1 buffers several times). */
-static inline __m256 load8(const void *base, int dtype, int64_t at) {
-    if (dtype == F32)
-        return _mm256_loadu_ps((const float *)base + at);
-    __m128i halves = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
-    if (dtype == F16)
-        return _mm256_cvtph_ps(halves);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
-}
-
-static inline void store8(void *base, int dtype, int64_t at, __m256 values) {
-    if (dtype == F32) {
-        _mm256_storeu_ps((float *)base + at, values);
-    } else if (dtype == F16) {
-        _mm_storeu_si128((__m128i *)((uint16_t *)base + at),
-                         _mm256_cvtps_ph(values, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    } else {
-        float spilled[8];
-        _mm256_storeu_ps(spilled, values);
-        floats_to_bf16s(spilled, (uint16_t *)base + at, 8);
-    }
-}
-
-typedef struct {
-    __m256 multiplier, divisor, near_weight, coefficient, beta2;
-    int power_of_two, from_avg;
-} VectorMoments;
-
-static VectorMoments vector_moments(const AdamGroup *group) {
-    int exponent;
-    float weight = group->lerp_weight;
-    VectorMoments c;
-    c.power_of_two = frexpf(group->grad_divisor, &exponent) == 0.5f;
-    c.multiplier = _mm256_set1_ps(1.0f / group->grad_divisor);
-    c.divisor = _mm256_set1_ps(group->grad_divisor);
-    c.near_weight = _mm256_set1_ps(weight < 0.5f ? weight : weight - 1.0f);
-    c.from_avg = weight < 0.5f;
-    c.coefficient = _mm256_set1_ps(group->avg_sq_grad_coefficient);
-    c.beta2 = _mm256_set1_ps(group->beta2);
-    return c;
-}
-
-/* next_moments for 8 elements at `at`, with the same roundings. */
-static inline void moments8(const AdamTensor *t, const VectorMoments *c, int64_t at,
-                            __m256 *new_avg, __m256 *new_avg_sq) {
-    __m256 g = load8(t->grad, t->grad_dtype, at);
-    __m256 m = load8(t->exp_avg, t->moment_dtype, at);
-    __m256 v = load8(t->exp_avg_sq, t->moment_dtype, at);
-    if (t->moment_dtype != F32) {
-        m = _mm256_mul_ps(m, _mm256_set1_ps(t->scale_in[0]));
-        v = _mm256_mul_ps(v, _mm256_set1_ps(t->scale_in[1]));
-    }
-    g = c->power_of_two ? _mm256_mul_ps(g, c->multiplier) : _mm256_div_ps(g, c->divisor);
-    *new_avg = _mm256_fmadd_ps(c->near_weight, _mm256_sub_ps(g, m), c->from_avg ? m : g);
-    *new_avg_sq = _mm256_fmadd_ps(_mm256_mul_ps(c->coefficient, g), g,
-                                  _mm256_mul_ps(v, c->beta2));
-}
-
-/* maxima_range over the elements [start, stop) of a multiple of 8. */
-static void maxima_vectors(const AdamTensor *t, const AdamGroup *group, int64_t start,
-                           int64_t stop, uint32_t *largest) {
-    const VectorMoments c = vector_moments(group);
-    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
-    __m256i top_avg = _mm256_setzero_si256(), top_avg_sq = _mm256_setzero_si256();
-    uint32_t lanes[8];
-    int64_t at;
-    int lane;
-    for (at = start; at < stop; at += 8) {
-        __m256 new_avg, new_avg_sq;
-        prefetch(t->grad, t->grad_dtype, at, stop);
-        prefetch(t->exp_avg, t->moment_dtype, at, stop);
-        prefetch(t->exp_avg_sq, t->moment_dtype, at, stop);
-        moments8(t, &c, at, &new_avg, &new_avg_sq);
-        top_avg = _mm256_max_epu32(
-            top_avg, _mm256_and_si256(_mm256_castps_si256(new_avg), magnitude));
-        top_avg_sq = _mm256_max_epu32(
-            top_avg_sq, _mm256_and_si256(_mm256_castps_si256(new_avg_sq), magnitude));
-    }
-    _mm256_storeu_si256((__m256i *)lanes, top_avg);
-    for (lane = 0; lane < 8; lane++)
-        largest[0] = lanes[lane] > largest[0] ? lanes[lane] : largest[0];
-    _mm256_storeu_si256((__m256i *)lanes, top_avg_sq);
-    for (lane = 0; lane < 8; lane++)
-        largest[1] = lanes[lane] > largest[1] ? lanes[lane] : largest[1];
-}
-
-/* update_range over the elements [start, stop) of a multiple of 8. */
-static void update_vectors(const AdamTensor *t, const AdamGroup *group, int64_t start,
-                           int64_t stop) {
-    const VectorMoments c = vector_moments(group);
-    const __m256 keep = _mm256_set1_ps(group->keep), step_down = _mm256_set1_ps(-t->step_size);
-    const __m256 correction = _mm256_set1_ps(t->bias_correction2_sqrt);
-    const __m256 eps = _mm256_set1_ps(t->eps), largest = _mm256_set1_ps(FP16_LARGEST);
-    const __m256 lowest = _mm256_set1_ps(-FP16_LARGEST);
-    const __m256 unscale_avg = _mm256_set1_ps(1.0f / t->scale_out[0]);
-    const __m256 unscale_avg_sq = _mm256_set1_ps(1.0f / t->scale_out[1]);
-    const int decays = group->keep != 1.0f;
-    int64_t at;
-    for (at = start; at < stop; at += 8) {
-        __m256 new_avg, new_avg_sq, denom;
-        __m256 p;
-        prefetch(t->param, t->param_dtype, at, stop);
-        prefetch(t->grad, t->grad_dtype, at, stop);
-        prefetch(t->exp_avg, t->moment_dtype, at, stop);
-        prefetch(t->exp_avg_sq, t->moment_dtype, at, stop);
-        p = load8(t->param, t->param_dtype, at);
-        moments8(t, &c, at, &new_avg, &new_avg_sq);
-        if (decays)
-            p = _mm256_mul_ps(p, keep);
-        denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(new_avg_sq), correction), eps);
-        p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(step_down, new_avg), denom));
-        store8(t->param, t->param_dtype, at, p);
-        if (t->moment_dtype == F32) {
-            store8(t->exp_avg, F32, at, new_avg);
-            store8(t->exp_avg_sq, F32, at, new_avg_sq);
-        } else {
-            __m256 avg = _mm256_mul_ps(new_avg, unscale_avg);
-            __m256 avg_sq = _mm256_mul_ps(new_avg_sq, unscale_avg_sq);
-            store8(t->exp_avg, F16, at, _mm256_max_ps(_mm256_min_ps(avg, largest), lowest));
-            store8(t->exp_avg_sq, F16, at,
-                   _mm256_max_ps(_mm256_min_ps(avg_sq, largest), lowest));
-        }
-    }
-}
-#endif
-
+/* The step LANES elements at a time, each value kept in registers from load to store (the
+ * block loops above pass every value through L1 buffers several times). The kernels below
+ * are written once over a few primitives, which AVX-512 gives 16 lanes wide and AVX2 8:
+ * the same operations in the same order, so a lane rounds as a scalar would. */
 #ifdef WIDE_VECTORS
-/* The same step 16 elements at a time with AVX-512: the same operations in the same order
- * (a lane rounds as it does 8 at a time), half the instructions per element. */
-static inline __m512 load16(const void *base, int dtype, int64_t at) {
+typedef __m512 vfloat;
+typedef __m512i vbits;
+enum { LANES = 16 };
+
+static inline vfloat v_set(float value) { return _mm512_set1_ps(value); }
+static inline vfloat v_add(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+static inline vfloat v_sub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+static inline vfloat v_mul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+static inline vfloat v_div(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
+static inline vfloat v_sqrt(vfloat a) { return _mm512_sqrt_ps(a); }
+static inline vfloat v_fmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vfloat v_min(vfloat a, vfloat b) { return _mm512_min_ps(a, b); }
+static inline vfloat v_max(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+static inline vbits v_no_bits(void) { return _mm512_setzero_si512(); }
+
+/* the larger of `top` and |values| in each lane, compared as bit patterns */
+static inline vbits v_top_magnitude(vbits top, vfloat values) {
+    vbits magnitude = _mm512_and_si512(_mm512_castps_si512(values),
+                                       _mm512_set1_epi32(0x7fffffff));
+    return _mm512_max_epu32(top, magnitude);
+}
+
+static inline uint32_t v_top_lane(vbits top) { return _mm512_reduce_max_epu32(top); }
+
+static inline vfloat v_load(const void *base, int dtype, int64_t at) {
     if (dtype == F32)
         return _mm512_loadu_ps((const float *)base + at);
     __m256i halves = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at));
@@ -448,7 +336,7 @@ static inline __m512 load16(const void *base, int dtype, int64_t at) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
 }
 
-static inline void store16(void *base, int dtype, int64_t at, __m512 values) {
+static inline void v_store(void *base, int dtype, int64_t at, vfloat values) {
     if (dtype == F32) {
         _mm512_storeu_ps((float *)base + at, values);
     } else if (dtype == F16) {
@@ -466,85 +354,158 @@ static inline void store16(void *base, int dtype, int64_t at, __m512 values) {
         _mm256_storeu_si256((__m256i *)((uint16_t *)base + at), _mm512_cvtepi32_epi16(result));
     }
 }
+#else
+typedef __m256 vfloat;
+typedef __m256i vbits;
+enum { LANES = 8 };
 
-/* next_moments for 16 elements at `at`, with the same roundings. */
-static inline void moments16(const AdamTensor *t, const VectorMoments *c, int64_t at,
-                             __m512 *new_avg, __m512 *new_avg_sq) {
-    __m512 g = load16(t->grad, t->grad_dtype, at);
-    __m512 m = load16(t->exp_avg, t->moment_dtype, at);
-    __m512 v = load16(t->exp_avg_sq, t->moment_dtype, at);
-    if (t->moment_dtype != F32) {
-        m = _mm512_mul_ps(m, _mm512_set1_ps(t->scale_in[0]));
-        v = _mm512_mul_ps(v, _mm512_set1_ps(t->scale_in[1]));
-    }
-    g = c->power_of_two ? _mm512_mul_ps(g, _mm512_broadcast_f32x8(c->multiplier))
-                        : _mm512_div_ps(g, _mm512_broadcast_f32x8(c->divisor));
-    *new_avg = _mm512_fmadd_ps(_mm512_broadcast_f32x8(c->near_weight), _mm512_sub_ps(g, m),
-                               c->from_avg ? m : g);
-    *new_avg_sq = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_broadcast_f32x8(c->coefficient), g), g,
-                                  _mm512_mul_ps(v, _mm512_broadcast_f32x8(c->beta2)));
+static inline vfloat v_set(float value) { return _mm256_set1_ps(value); }
+static inline vfloat v_add(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+static inline vfloat v_sub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
+static inline vfloat v_mul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+static inline vfloat v_div(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
+static inline vfloat v_sqrt(vfloat a) { return _mm256_sqrt_ps(a); }
+static inline vfloat v_fmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vfloat v_min(vfloat a, vfloat b) { return _mm256_min_ps(a, b); }
+static inline vfloat v_max(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+static inline vbits v_no_bits(void) { return _mm256_setzero_si256(); }
+
+static inline vbits v_top_magnitude(vbits top, vfloat values) {
+    vbits magnitude = _mm256_and_si256(_mm256_castps_si256(values),
+                                       _mm256_set1_epi32(0x7fffffff));
+    return _mm256_max_epu32(top, magnitude);
 }
 
-/* maxima_range over the elements [start, stop) of a multiple of 16. */
-static void maxima_wide(const AdamTensor *t, const AdamGroup *group, int64_t start,
-                        int64_t stop, uint32_t *largest) {
+static inline uint32_t v_top_lane(vbits top) {
+    uint32_t lanes[8], largest = 0;
+    int lane;
+    _mm256_storeu_si256((__m256i *)lanes, top);
+    for (lane = 0; lane < 8; lane++)
+        largest = lanes[lane] > largest ? lanes[lane] : largest;
+    return largest;
+}
+
+static inline vfloat v_load(const void *base, int dtype, int64_t at) {
+    if (dtype == F32)
+        return _mm256_loadu_ps((const float *)base + at);
+    __m128i halves = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
+    if (dtype == F16)
+        return _mm256_cvtph_ps(halves);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+
+static inline void v_store(void *base, int dtype, int64_t at, vfloat values) {
+    if (dtype == F32) {
+        _mm256_storeu_ps((float *)base + at, values);
+    } else if (dtype == F16) {
+        _mm_storeu_si128((__m128i *)((uint16_t *)base + at),
+                         _mm256_cvtps_ph(values, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        float spilled[8];
+        _mm256_storeu_ps(spilled, values);
+        floats_to_bf16s(spilled, (uint16_t *)base + at, 8);
+    }
+}
+#endif
+
+/* Elements prefetched ahead of the vector loops. One thread streams only a few of its
+ * tensors' lines from memory at a time; asking for them this far ahead made the 16-bit
+ * step about a fifth faster on one thread (benchmarks/host_adam_passes.py). */
+enum { AHEAD = 1024 };
+
+/* Requests the cache line of element `at + AHEAD` of a tensor, when it is before `stop`. */
+static inline void prefetch(const void *base, int dtype, int64_t at, int64_t stop) {
+    if (at + AHEAD < stop)
+        _mm_prefetch((const char *)base + (at + AHEAD) * (dtype == F32 ? 4 : 2), _MM_HINT_T0);
+}
+
+typedef struct {
+    vfloat multiplier, divisor, near_weight, coefficient, beta2;
+    int power_of_two, from_avg;
+} VectorMoments;
+
+static VectorMoments vector_moments(const AdamGroup *group) {
+    int exponent;
+    float weight = group->lerp_weight;
+    VectorMoments c;
+    c.power_of_two = frexpf(group->grad_divisor, &exponent) == 0.5f;
+    c.multiplier = v_set(1.0f / group->grad_divisor);
+    c.divisor = v_set(group->grad_divisor);
+    c.near_weight = v_set(weight < 0.5f ? weight : weight - 1.0f);
+    c.from_avg = weight < 0.5f;
+    c.coefficient = v_set(group->avg_sq_grad_coefficient);
+    c.beta2 = v_set(group->beta2);
+    return c;
+}
+
+/* next_moments for the LANES elements at `at`, with the same roundings. */
+static inline void vector_next_moments(const AdamTensor *t, const VectorMoments *c, int64_t at,
+                                       vfloat *new_avg, vfloat *new_avg_sq) {
+    vfloat g = v_load(t->grad, t->grad_dtype, at);
+    vfloat m = v_load(t->exp_avg, t->moment_dtype, at);
+    vfloat v = v_load(t->exp_avg_sq, t->moment_dtype, at);
+    if (t->moment_dtype != F32) {
+        m = v_mul(m, v_set(t->scale_in[0]));
+        v = v_mul(v, v_set(t->scale_in[1]));
+    }
+    g = c->power_of_two ? v_mul(g, c->multiplier) : v_div(g, c->divisor);
+    *new_avg = v_fmadd(c->near_weight, v_sub(g, m), c->from_avg ? m : g);
+    *new_avg_sq = v_fmadd(v_mul(c->coefficient, g), g, v_mul(v, c->beta2));
+}
+
+/* maxima_range over the elements [start, stop) of a multiple of LANES. */
+static void maxima_vectors(const AdamTensor *t, const AdamGroup *group, int64_t start,
+                           int64_t stop, uint32_t *largest) {
     const VectorMoments c = vector_moments(group);
-    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
-    __m512i top_avg = _mm512_setzero_si512(), top_avg_sq = _mm512_setzero_si512();
+    vbits top_avg = v_no_bits(), top_avg_sq = v_no_bits();
     uint32_t top;
     int64_t at;
-    for (at = start; at < stop; at += 16) {
-        __m512 new_avg, new_avg_sq;
+    for (at = start; at < stop; at += LANES) {
+        vfloat new_avg, new_avg_sq;
         prefetch(t->grad, t->grad_dtype, at, stop);
         prefetch(t->exp_avg, t->moment_dtype, at, stop);
         prefetch(t->exp_avg_sq, t->moment_dtype, at, stop);
-        moments16(t, &c, at, &new_avg, &new_avg_sq);
-        top_avg = _mm512_max_epu32(top_avg,
-                                   _mm512_and_si512(_mm512_castps_si512(new_avg), magnitude));
-        top_avg_sq = _mm512_max_epu32(
-            top_avg_sq, _mm512_and_si512(_mm512_castps_si512(new_avg_sq), magnitude));
+        vector_next_moments(t, &c, at, &new_avg, &new_avg_sq);
+        top_avg = v_top_magnitude(top_avg, new_avg);
+        top_avg_sq = v_top_magnitude(top_avg_sq, new_avg_sq);
     }
-    top = _mm512_reduce_max_epu32(top_avg);
+    top = v_top_lane(top_avg);
     largest[0] = top > largest[0] ? top : largest[0];
-    top = _mm512_reduce_max_epu32(top_avg_sq);
+    top = v_top_lane(top_avg_sq);
     largest[1] = top > largest[1] ? top : largest[1];
 }
 
-/* update_range over the elements [start, stop) of a multiple of 16. */
-static void update_wide(const AdamTensor *t, const AdamGroup *group, int64_t start,
-                        int64_t stop) {
+/* update_range over the elements [start, stop) of a multiple of LANES. */
+static void update_vectors(const AdamTensor *t, const AdamGroup *group, int64_t start,
+                           int64_t stop) {
     const VectorMoments c = vector_moments(group);
-    const __m512 keep = _mm512_set1_ps(group->keep), step_down = _mm512_set1_ps(-t->step_size);
-    const __m512 correction = _mm512_set1_ps(t->bias_correction2_sqrt);
-    const __m512 eps = _mm512_set1_ps(t->eps), largest = _mm512_set1_ps(FP16_LARGEST);
-    const __m512 lowest = _mm512_set1_ps(-FP16_LARGEST);
-    const __m512 unscale_avg = _mm512_set1_ps(1.0f / t->scale_out[0]);
-    const __m512 unscale_avg_sq = _mm512_set1_ps(1.0f / t->scale_out[1]);
+    const vfloat keep = v_set(group->keep), step_down = v_set(-t->step_size);
+    const vfloat correction = v_set(t->bias_correction2_sqrt), eps = v_set(t->eps);
+    const vfloat largest = v_set(FP16_LARGEST), lowest = v_set(-FP16_LARGEST);
+    const vfloat unscale_avg = v_set(1.0f / t->scale_out[0]);
+    const vfloat unscale_avg_sq = v_set(1.0f / t->scale_out[1]);
     const int decays = group->keep != 1.0f;
     int64_t at;
-    for (at = start; at < stop; at += 16) {
-        __m512 new_avg, new_avg_sq, denom;
-        __m512 p;
+    for (at = start; at < stop; at += LANES) {
+        vfloat new_avg, new_avg_sq, denom, p;
         prefetch(t->param, t->param_dtype, at, stop);
         prefetch(t->grad, t->grad_dtype, at, stop);
         prefetch(t->exp_avg, t->moment_dtype, at, stop);
         prefetch(t->exp_avg_sq, t->moment_dtype, at, stop);
-        p = load16(t->param, t->param_dtype, at);
-        moments16(t, &c, at, &new_avg, &new_avg_sq);
+        p = v_load(t->param, t->param_dtype, at);
+        vector_next_moments(t, &c, at, &new_avg, &new_avg_sq);
         if (decays)
-            p = _mm512_mul_ps(p, keep);
-        denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(new_avg_sq), correction), eps);
-        p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(step_down, new_avg), denom));
-        store16(t->param, t->param_dtype, at, p);
+            p = v_mul(p, keep);
+        denom = v_add(v_div(v_sqrt(new_avg_sq), correction), eps);
+        p = v_add(p, v_div(v_mul(step_down, new_avg), denom));
+        v_store(t->param, t->param_dtype, at, p);
         if (t->moment_dtype == F32) {
-            store16(t->exp_avg, F32, at, new_avg);
-            store16(t->exp_avg_sq, F32, at, new_avg_sq);
+            v_store(t->exp_avg, F32, at, new_avg);
+            v_store(t->exp_avg_sq, F32, at, new_avg_sq);
         } else {
-            __m512 avg = _mm512_mul_ps(new_avg, unscale_avg);
-            __m512 avg_sq = _mm512_mul_ps(new_avg_sq, unscale_avg_sq);
-            store16(t->exp_avg, F16, at, _mm512_max_ps(_mm512_min_ps(avg, largest), lowest));
-            store16(t->exp_avg_sq, F16, at,
-                    _mm512_max_ps(_mm512_min_ps(avg_sq, largest), lowest));
+            vfloat avg = v_mul(new_avg, unscale_avg), avg_sq = v_mul(new_avg_sq, unscale_avg_sq);
+            v_store(t->exp_avg, F16, at, v_max(v_min(avg, largest), lowest));
+            v_store(t->exp_avg_sq, F16, at, v_max(v_min(avg_sq, largest), lowest));
         }
     }
 }
@@ -553,13 +514,8 @@ static void update_wide(const AdamTensor *t, const AdamGroup *group, int64_t sta
 /* Elements [start, stop) by vectors where the CPU has them, the rest (or all) by blocks. */
 static void maxima_range(const AdamTensor *t, const AdamGroup *group, int64_t start,
                          int64_t stop, uint32_t *largest) {
-#ifdef WIDE_VECTORS
-    int64_t wide_end = start + (stop - start) / 16 * 16;
-    maxima_wide(t, group, start, wide_end, largest);
-    start = wide_end;
-#endif
 #ifdef VECTOR_CONVERSIONS
-    int64_t vectors_end = start + (stop - start) / 8 * 8;
+    int64_t vectors_end = start + (stop - start) / LANES * LANES;
     maxima_vectors(t, group, start, vectors_end, largest);
     start = vectors_end;
 #endif
@@ -568,13 +524,8 @@ static void maxima_range(const AdamTensor *t, const AdamGroup *group, int64_t st
 
 static void update_range(const AdamTensor *t, const AdamGroup *group, int64_t start,
                          int64_t stop) {
-#ifdef WIDE_VECTORS
-    int64_t wide_end = start + (stop - start) / 16 * 16;
-    update_wide(t, group, start, wide_end);
-    start = wide_end;
-#endif
 #ifdef VECTOR_CONVERSIONS
-    int64_t vectors_end = start + (stop - start) / 8 * 8;
+    int64_t vectors_end = start + (stop - start) / LANES * LANES;
     update_vectors(t, group, start, vectors_end);
     start = vectors_end;
 #endif
