@@ -306,25 +306,34 @@ static void update_blocks(const AdamTensor *t, const AdamGroup *group, int64_t s
 typedef __m512 vfloat;
 typedef __m512i vbits;
 enum { LANES = 16 };
+#define VEC(op) _mm512_##op            /* _mm512_add_ps, ... */
+#define VEC_SI(op) _mm512_##op##512    /* _mm512_and_si512, ... */
+#else
+typedef __m256 vfloat;
+typedef __m256i vbits;
+enum { LANES = 8 };
+#define VEC(op) _mm256_##op
+#define VEC_SI(op) _mm256_##op##256
+#endif
 
-static inline vfloat v_set(float value) { return _mm512_set1_ps(value); }
-static inline vfloat v_add(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
-static inline vfloat v_sub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
-static inline vfloat v_mul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
-static inline vfloat v_div(vfloat a, vfloat b) { return _mm512_div_ps(a, b); }
-static inline vfloat v_sqrt(vfloat a) { return _mm512_sqrt_ps(a); }
-static inline vfloat v_fmadd(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vfloat v_min(vfloat a, vfloat b) { return _mm512_min_ps(a, b); }
-static inline vfloat v_max(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
-static inline vbits v_no_bits(void) { return _mm512_setzero_si512(); }
+static inline vfloat v_set(float value) { return VEC(set1_ps)(value); }
+static inline vfloat v_add(vfloat a, vfloat b) { return VEC(add_ps)(a, b); }
+static inline vfloat v_sub(vfloat a, vfloat b) { return VEC(sub_ps)(a, b); }
+static inline vfloat v_mul(vfloat a, vfloat b) { return VEC(mul_ps)(a, b); }
+static inline vfloat v_div(vfloat a, vfloat b) { return VEC(div_ps)(a, b); }
+static inline vfloat v_sqrt(vfloat a) { return VEC(sqrt_ps)(a); }
+static inline vfloat v_fmadd(vfloat a, vfloat b, vfloat c) { return VEC(fmadd_ps)(a, b, c); }
+static inline vfloat v_min(vfloat a, vfloat b) { return VEC(min_ps)(a, b); }
+static inline vfloat v_max(vfloat a, vfloat b) { return VEC(max_ps)(a, b); }
+static inline vbits v_no_bits(void) { return VEC_SI(setzero_si)(); }
 
 /* the larger of `top` and |values| in each lane, compared as bit patterns */
 static inline vbits v_top_magnitude(vbits top, vfloat values) {
-    vbits magnitude = _mm512_and_si512(_mm512_castps_si512(values),
-                                       _mm512_set1_epi32(0x7fffffff));
-    return _mm512_max_epu32(top, magnitude);
+    vbits magnitude = VEC_SI(and_si)(VEC_SI(castps_si)(values), VEC(set1_epi32)(0x7fffffff));
+    return VEC(max_epu32)(top, magnitude);
 }
 
+#ifdef WIDE_VECTORS
 static inline uint32_t v_top_lane(vbits top) { return _mm512_reduce_max_epu32(top); }
 
 static inline vfloat v_load(const void *base, int dtype, int64_t at) {
@@ -355,27 +364,6 @@ static inline void v_store(void *base, int dtype, int64_t at, vfloat values) {
     }
 }
 #else
-typedef __m256 vfloat;
-typedef __m256i vbits;
-enum { LANES = 8 };
-
-static inline vfloat v_set(float value) { return _mm256_set1_ps(value); }
-static inline vfloat v_add(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
-static inline vfloat v_sub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
-static inline vfloat v_mul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
-static inline vfloat v_div(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
-static inline vfloat v_sqrt(vfloat a) { return _mm256_sqrt_ps(a); }
-static inline vfloat v_fmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vfloat v_min(vfloat a, vfloat b) { return _mm256_min_ps(a, b); }
-static inline vfloat v_max(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
-static inline vbits v_no_bits(void) { return _mm256_setzero_si256(); }
-
-static inline vbits v_top_magnitude(vbits top, vfloat values) {
-    vbits magnitude = _mm256_and_si256(_mm256_castps_si256(values),
-                                       _mm256_set1_epi32(0x7fffffff));
-    return _mm256_max_epu32(top, magnitude);
-}
-
 static inline uint32_t v_top_lane(vbits top) {
     uint32_t lanes[8], largest = 0;
     int lane;
