@@ -57,6 +57,7 @@ def rank_environment(threads: int | None = 1) -> dict[str, str]:
 
 _PORTS_GIVEN: set[int] = set()
 _PORTS_LOCK = threading.Lock()
+_PORT_DRAW = random.SystemRandom()  # not the global generator, which code under test seeds
 
 
 def free_port() -> int:
@@ -68,7 +69,7 @@ def free_port() -> int:
     choices = range(10000, low) if low > 12000 else range(high + 1, 65536)
     with _PORTS_LOCK:
         for _ in range(1000):
-            port = random.choice(choices)
+            port = _PORT_DRAW.choice(choices)
             if port in _PORTS_GIVEN:
                 continue
             with socket.socket() as sock:
