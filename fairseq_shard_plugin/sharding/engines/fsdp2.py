@@ -23,11 +23,13 @@ from fairseq_shard_plugin.sharding.wrap_policy import ShardingPlan, ShardUnit
 
 # FSDP2 warns once per module class whose forward returns a view: an in-place operation on
 # that view downstream would skip its backward hook. fairseq's transformer layers and models
-# return views (transposes), and nothing downstream changes them in place: sharded they give
-# stock fairseq's losses and gradient norms (tests/test_sharded_training.py,
-# test_fairseq_architectures.py). Only those classes' warning is silenced.
-_HARMLESS_VIEW_OUTPUTS = (r"FSDP2-wrapped module \(FSDP(Transformer(EncoderLayerBase|"
-                          r"DecoderLayerBase|Model|LanguageModel)|BARTModel)\) returned a view")
+# return views (transposes), and the vocabulary unit's embeddings too (a lookup reshaped to
+# batch x time x dim), which fairseq's encoders and decoders only ever scale out of place:
+# sharded they give stock fairseq's losses and gradient norms (tests/test_sharded_training.py,
+# test_fairseq_architectures.py). Only those units' warning is silenced.
+_HARMLESS_VIEW_OUTPUTS = (r"FSDP2-wrapped module \((FSDP(Transformer(EncoderLayerBase|"
+                          r"DecoderLayerBase|Model|LanguageModel)|BARTModel)|"
+                          r"FSDPEmbedding(, FSDPEmbedding)*(, FSDPLinear)?)\) returned a view")
 
 
 def data_parallel_mesh(device_type: str) -> DeviceMesh:
