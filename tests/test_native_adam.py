@@ -150,8 +150,7 @@ def portable_library(request: pytest.FixtureRequest,
                      tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     """The same source built for any x86-64 (no AVX2): its one-value-at-a-time loops,
     which CPUs without the vector instructions run (on this CPU only the tails do); and
-    for AVX2 without AVX-512: its 8-wide loops, which this CPU's build runs only on what
-    the 16-wide ones leave."""
+    for AVX2 without AVX-512: its 8-wide loops, which an AVX-512 CPU's build never runs."""
     if platform.machine() != "x86_64":
         pytest.skip("the portable builds are checked on x86-64")
     if request.param == "haswell" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
@@ -175,7 +174,7 @@ def _cpu_flags() -> set[str]:
 def test_the_portable_loops_give_the_vector_loops_bits(
     portable_library: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch, fp16_moments: bool
 ) -> None:
-    shapes = [(1029,), (7, 3), (64,), (24,)]  # tails of every length the vector loops leave
+    shapes = [(1029,), (7, 3), (64,), (24,)]  # with tails after 8- and 16-wide vectors
     vectors, vector_step = run(torch.bfloat16, native=True, fp16_moments=fp16_moments,
                                shapes=shapes, factor=0.3)
     monkeypatch.setattr(sharded_adam, "native_library", lambda: portable_library)
