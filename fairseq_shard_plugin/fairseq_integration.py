@@ -111,9 +111,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
 
 11. ``argparse.ArgumentParser.error``, for fairseq's commands' parsers only (``fairseq-*``
     with ``--user-dir``): fairseq's parser answers a mistyped flag with its whole usage (186
-    lines for ``fairseq-train``), once per rank under torchrun. Once the plugin is loaded
-    (it is imported while fairseq parses, before the final parse), the mistake is one line
-    from rank 0, with the closest option when there is one (``did you mean
+    lines for ``fairseq-train``), once per rank under torchrun or srun. Once the plugin is
+    loaded (it is imported while fairseq parses, before the final parse), the mistake is one
+    line from the launcher's rank 0, with the closest option when there is one (``did you mean
     --keep-vocabulary-gathered?``), and the same exit status 2; other parsers keep
     argparse's behaviour.
 
@@ -521,7 +521,7 @@ def _short_parser_errors(stock_error: Callable[..., Any]) -> Callable[..., Any]:
             candidates = list(options)
         hints = [f"did you mean {close[0]}?" for word in wrong.split()
                  if (close := difflib.get_close_matches(word, candidates, n=1, cutoff=0.8))]
-        if int(os.environ.get("RANK", "0") or 0) == 0:
+        if launcher_rank() in (None, 0):  # one line from rank 0, under torchrun or srun
             hint = (f" ({'; '.join(hints)})" if hints else f" ({parser.prog} --help lists them)"
                     if listed or "unrecognized arguments" in message else "")
             parser.exit(2, f"{parser.prog}: error: {message}{hint}\n")

@@ -88,7 +88,9 @@ def launches(
                "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded", *extra]
         for name, extra in cases.items()}
     commands["typo on rank 1"] = ["env", "RANK=1", *commands["typo"]]
-    save_dirs["typo on rank 1"] = save_dirs["typo"]
+    commands["typo on srun's rank 1"] = ["env", "-u", "RANK", "SLURM_PROCID=1",
+                                         *commands["typo"]]
+    save_dirs["typo on rank 1"] = save_dirs["typo on srun's rank 1"] = save_dirs["typo"]
     finished = run_concurrently(commands)
     return {name: (finished[name], save_dirs[name]) for name in commands}
 
@@ -115,8 +117,9 @@ def test_a_mistyped_flag_is_one_line_naming_the_closest_option(
         f"fairseq-train: error: unrecognized arguments: {TYPO} "
         "(did you mean --keep-vocabulary-gathered?)"]
     assert "usage:" not in completed.stderr
-    other_rank, _ = launches["typo on rank 1"]
-    assert other_rank.returncode == 2 and "error:" not in other_rank.stderr
+    for other in ("typo on rank 1", "typo on srun's rank 1"):
+        other_rank, _ = launches[other]
+        assert other_rank.returncode == 2 and "error:" not in other_rank.stderr, other
 
 
 @pytest.mark.parametrize("named", list(CHECKED))
