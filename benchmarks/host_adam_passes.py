@@ -6,10 +6,13 @@ over one tensor that stays in this core's L2 cache (32,768 elements, repeated) a
 that streams from memory (50M elements): where both give the same time the pass is bound
 by its arithmetic (the update: a square root and two divisions per element, torch's
 arithmetic kept bit for bit), where the large tensor is slower, by memory. ``--code REV``
-times ``native_adam.c`` as it was at git revision REV, built with the same flags.
+times ``native_adam.c`` as it was at git revision REV, built with the same flags;
+``--without-divisions`` times this source with the vector update's square root and two
+divisions replaced by multiplications (wrong results, for the time memory alone takes).
 
     python -m benchmarks.host_adam_passes      # writes results/host_adam_passes.{md,json}
     python -m benchmarks.host_adam_passes --code 1f0b871   # 8 elements at a time, no prefetch
+    python -m benchmarks.host_adam_passes --without-divisions
 """
 
 from __future__ import annotations
@@ -80,12 +83,26 @@ def pass_ns(library: ctypes.CDLL, numel: int, repeats: int, param_dtype: torch.d
     return fastest
 
 
-def library_at(revision: str, directory: Path) -> ctypes.CDLL:
-    """``native_adam.c`` as it was at git ``revision``, built with this checkout's flags."""
+# the vector update's arithmetic, and the same with multiplications only (--without-divisions)
+DIVIDING = ("        denom = v_add(v_div(v_sqrt(new_avg_sq), correction), eps);\n"
+            "        p = v_add(p, v_div(v_mul(step_down, new_avg), denom));\n")
+MULTIPLYING = ("        denom = v_add(v_mul(new_avg_sq, correction), eps);\n"
+               "        p = v_add(p, v_mul(v_mul(step_down, new_avg), denom));\n")
+
+
+def library_at(revision: str | None, directory: Path, divisions: bool = True) -> ctypes.CDLL:
+    """``native_adam.c`` as it was at git ``revision`` (None: as it is here), optionally
+    without the update's divisions, built with this checkout's flags."""
     source = directory / "native_adam.c"
     path = SOURCE.relative_to(REPO).as_posix()
-    source.write_bytes(subprocess.run(["git", "show", f"{revision}:{path}"], cwd=REPO,
-                                      capture_output=True, check=True).stdout)
+    text = (SOURCE.read_text() if revision is None else subprocess.run(
+        ["git", "show", f"{revision}:{path}"], cwd=REPO, capture_output=True, check=True,
+        text=True).stdout)
+    if not divisions:
+        if DIVIDING not in text:
+            raise SystemExit("the vector update's arithmetic is not where it was expected")
+        text = text.replace(DIVIDING, MULTIPLYING)
+    source.write_text(text)
     built = directory / "native_adam.so"
     subprocess.run(["cc", *FLAGS, "-o", str(built), str(source)], check=True)
     return ctypes.CDLL(str(built))
@@ -94,22 +111,34 @@ def library_at(revision: str, directory: Path) -> ctypes.CDLL:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--code", help="git revision of native_adam.c (default: this one)")
+    parser.add_argument("--without-divisions", action="store_true",
+                        help="the update's square root and divisions made multiplications")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        library = library_at(args.code, Path(directory)) if args.code else native_library()
+        if args.code or args.without_divisions:
+            library = library_at(args.code, Path(directory), not args.without_divisions)
+        else:
+            library = native_library()
         if library is None:
             raise SystemExit("no C step here (no compiler, or "
                              "FAIRSEQ_SHARD_PLUGIN_NATIVE_ADAM=0)")
-        measure_all(library, args.code)
+        code = (args.code or "this checkout") + (
+            ", without divisions" if args.without_divisions else "")
+        suffix = ("_" + args.code if args.code else "") + (
+            "_without_divisions" if args.without_divisions else "")
+        command = "python -m benchmarks.host_adam_passes" + "".join(
+            f" {flag}" for flag in ([f"--code {args.code}"] if args.code else [])
+            + (["--without-divisions"] if args.without_divisions else []))
+        measure_all(library, code, suffix, command)
 
 
-def measure_all(library: ctypes.CDLL, code: str | None) -> None:
+def measure_all(library: ctypes.CDLL, code: str, suffix: str, command: str) -> None:
     rows = []
     for state, dtypes in STATES.items():
         for where, (numel, repeats) in SIZES.items():
             ns = pass_ns(library, numel, repeats, *dtypes)
             maxima = ns["maxima"] if dtypes[1] == torch.float16 else None  # fp32: no pass
-            rows.append({"code": code or "this checkout", "state": state, "tensor": where,
+            rows.append({"code": code, "state": state, "tensor": where,
                          "maxima_ns": None if maxima is None else round(maxima, 3),
                          "update_ns": round(ns["update"], 3),
                          "step_ns": round(ns["update"] + (maxima or 0.0), 3)})
@@ -117,12 +146,10 @@ def measure_all(library: ctypes.CDLL, code: str | None) -> None:
     columns = [("code", "code"), ("state", "state"), ("tensor", "tensor"),
                ("maxima pass (ns/element)", "maxima_ns"),
                ("update pass (ns/element)", "update_ns"), ("step (ns/element)", "step_ns")]
-    command = "python -m benchmarks.host_adam_passes" + (f" --code {code}" if code else "")
     note = ("One thread, one tensor, this host's CPU and the C step as built here (-march="
             "native); fastest of 3 rounds. fp32 state has no maxima pass. Produced by "
             f"`{command}`.")
-    print(write_results("host_adam_passes" + (f"_{code}" if code else ""), rows, columns,
-                        note))
+    print(write_results("host_adam_passes" + suffix, rows, columns, note))
 
 
 if __name__ == "__main__":
