@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from fairseq_shard_plugin.training.harmless_warnings import HARMLESS
 from launching import forkserver
 from launching.harness import (
     PLUGIN_DIR,
@@ -61,16 +62,14 @@ def test_a_training_prints_none_of_fairseqs_own_deprecation_warnings(
     corpus: Path, tmp_path: Path
 ) -> None:
     """fairseq-train with the plugin: the Hydra and torch deprecation notices that fairseq's
-    own calls trigger (training/harmless_warnings.py) are gone; only fairscale's, printed
-    at fairseq's import before the plugin loads, remain."""
+    own calls trigger (training/harmless_warnings.py) are gone (fairscale's, printed at
+    fairseq's import before the plugin loads, are not the plugin's to hide)."""
     args = training_args(corpus, tmp_path / "save", max_update=1, max_tokens=256)
     args += transformer_args(dim=32, ffn=64, layers=1, heads=2) + [
         "--no-save", "--disable-validation", "--user-dir", str(PLUGIN_DIR),
         "--task", "sharded_translation", "--ddp-backend", "fully_sharded"]
     code, output = start_ranks([tool("fairseq-train"), *args], 1, rank_environment())
     assert code == 0, output[-3000:]
-    from fairseq_shard_plugin.training.harmless_warnings import HARMLESS
-
     shown = [message for _, message, _ in HARMLESS
              if re.search(message.removeprefix(r"\s*"), output)]
     assert shown == [], shown
