@@ -143,8 +143,7 @@ class ShardedAdam(torch.optim.Optimizer):
             # of its shards has a gradient); only those with one are updated
             params = group["params"]
             # scales over ranks come back; otherwise each batch of the C step records its own
-            scales = self._update_group(group, params, grad_factor)
-            rows = scales.tolist() if scales is not None else None  # host floats, no reads
+            rows = self._update_group(group, params, grad_factor)
             for index, param in enumerate(params):
                 if param.grad is None:
                     continue
@@ -156,18 +155,20 @@ class ShardedAdam(torch.optim.Optimizer):
         return loss
 
     def _update_group(self, group: dict[str, Any], params: list[torch.Tensor],
-                      grad_factor: float) -> torch.Tensor | None:
-        """Updates the parameters with gradients; returns the new moments' scales
-        ``[len(params), 2]`` when moments are scaled fp16."""
+                      grad_factor: float) -> list[list[float]] | None:
+        """Updates the parameters with gradients; returns the new moments' scales as host
+        floats, a row per parameter, when moments are scaled fp16 (and, for the C step,
+        taken over ranks here)."""
         if self._takes_native_step(params):
             library = native_library()
             if library is not None:
-                return self._native_update(library, group, params, grad_factor)
+                scales = self._native_update(library, group, params, grad_factor)
+                return scales.tolist() if scales is not None else None
         scales = self._next_scales(group, params, grad_factor) if self.fp16_moments else None
         rows = scales.tolist() if scales is not None else None  # host floats, no reads
         for chunk in _chunks(params, self.state):
             self._update(group, chunk, grad_factor, rows)
-        return scales
+        return rows
 
     def _takes_native_step(self, params: list[torch.Tensor]) -> bool:
         """Whether the C step applies: host tensors of known dtypes, contiguous, and scaled
