@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +69,7 @@ CONFIGS: dict[str, list[str]] = {
 def child(report: str, fairseq_args: list[str], count: bool, meter: bool = False) -> None:
     """In the measured process: run fairseq-train's ``cli_main`` on ``fairseq_args``,
     counting dispatched operations between the starts of consecutive updates."""
-    import fairseq.trainer
     import torch  # noqa: F401  (before fairseq, as fairseq-train does)
-    from fairseq_cli import train
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counting(TorchDispatchMode):
@@ -86,28 +86,20 @@ def child(report: str, fairseq_args: list[str], count: bool, meter: bool = False
 
     mode = Counting()
     marks: list[tuple[int, collections.Counter[str], float]] = []
-    stock_step = fairseq.trainer.Trainer.train_step
 
-    def marked_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def mark() -> None:
         marks.append((mode.total, collections.Counter(mode.by_op) if count else None,
                       time.perf_counter()))
-        return stock_step(self, *args, **kwargs)
 
-    fairseq.trainer.Trainer.train_step = marked_step
-    sys.argv = ["fairseq-train", *fairseq_args]
+    around: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if count:
-        with mode:
-            train.cli_main()
+        around = mode
     elif meter:  # as fairseq-shard-measure-train ran every row of the first GPU check
-        import fairseq_shard_plugin
         from fairseq_shard_plugin.memory.meters import LiveTensorMeter
 
-        if "--user-dir" in fairseq_args:  # imported now, fairseq would skip the user dir
-            fairseq_shard_plugin.activate()
-        with LiveTensorMeter():
-            train.cli_main()
-    else:
-        train.cli_main()
+        activate_plugin_if_named(fairseq_args)
+        around = LiveTensorMeter()
+    train_marking_updates(fairseq_args, mark, around)
     per_update = [b[0] - a[0] for a, b in zip(marks, marks[1:], strict=False)]
     seconds = [b[2] - a[2] for a, b in zip(marks, marks[1:], strict=False)]
     steady = marks[WARMUP_UPDATES:]
@@ -119,22 +111,57 @@ def child(report: str, fairseq_args: list[str], count: bool, meter: bool = False
                                         "seconds": seconds[WARMUP_UPDATES:], "by_op": ops}))
 
 
-def measure(corpus: Path, work: Path, name: str, updates: int, count: bool,
-            threads: int = 1, meter: bool = False) -> dict[str, Any]:
-    """One run of configuration ``name`` in a fresh process (one rank, torchrun's
-    variables); the child's report, plus fairseq's per-update ``train_wall``."""
-    kind = "count" if count else "meter" if meter else "time"
-    save_dir = work / f"{name.replace(' ', '_')}_{kind}"
+def activate_plugin_if_named(fairseq_args: list[str]) -> None:
+    """In a child that imported the plugin itself, as fairseq would have for ``--user-dir``
+    (fairseq skips a user dir whose package is imported already)."""
+    if "--user-dir" in fairseq_args:
+        import fairseq_shard_plugin
+
+        fairseq_shard_plugin.activate()
+
+
+def train_marking_updates(fairseq_args: list[str], mark: Callable[[], None],
+                          around: contextlib.AbstractContextManager[Any]) -> None:
+    """In a child: fairseq-train's ``cli_main`` on ``fairseq_args`` inside ``around``,
+    ``mark()`` called as each update's ``Trainer.train_step`` starts."""
+    import fairseq.trainer
+    from fairseq_cli import train
+
+    stock_step = fairseq.trainer.Trainer.train_step
+
+    def marked_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        mark()
+        return stock_step(self, *args, **kwargs)
+
+    fairseq.trainer.Trainer.train_step = marked_step
+    sys.argv = ["fairseq-train", *fairseq_args]
+    with around:
+        train.cli_main()
+
+
+def run_child(module: str, corpus: Path, work: Path, name: str, updates: int,
+              child_flags: list[str], label: str, threads: int = 1) -> Any:
+    """Configuration ``name`` trained in a fresh process (one rank, torchrun's variables)
+    under ``module``'s ``--child`` (with ``child_flags``); the JSON report it wrote."""
+    save_dir = work / f"{name.replace(' ', '_').replace(',', '')}_{label}"
     report = save_dir.with_suffix(".json")
     args = [*training_args(corpus, save_dir, updates, max_tokens=512), *MODEL, "--no-save",
             "--disable-validation", *CONFIGS[name]]
-    command = [sys.executable, "-m", "benchmarks.dispatch_ops", "--child", str(report),
-               "--count" if count else "--no-count", *(["--meter"] if meter else []), "--",
+    command = [sys.executable, "-m", module, "--child", str(report), *child_flags, "--",
                *args]
     code, output = start_ranks(command, 1, rank_environment(threads), timeout=600)
     if code != 0:
         raise RuntimeError(f"{name} failed ({code}):\n{output[-4000:]}")
     return json.loads(report.read_text())
+
+
+def measure(corpus: Path, work: Path, name: str, updates: int, count: bool,
+            threads: int = 1, meter: bool = False) -> dict[str, Any]:
+    """One run of configuration ``name`` in a fresh process: the child's report."""
+    kind = "count" if count else "meter" if meter else "time"
+    flags = ["--count" if count else "--no-count", *(["--meter"] if meter else [])]
+    return run_child("benchmarks.dispatch_ops", corpus, work, name, updates, flags, kind,
+                     threads)
 
 
 def compare(corpus: Path, work: Path, updates: int = 8,

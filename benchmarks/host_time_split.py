@@ -14,18 +14,23 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import importlib
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.dispatch_ops import CONFIGS, MODEL, WARMUP_UPDATES
-from launching.harness import RESULTS, rank_environment, start_ranks, training_args
+from benchmarks.dispatch_ops import (
+    WARMUP_UPDATES,
+    activate_plugin_if_named,
+    run_child,
+    train_marking_updates,
+)
+from launching.harness import RESULTS
 
 # (module, class, method) timed, by the part of the update they belong to
 TIMED: dict[str, list[tuple[str, str, str]]] = {
@@ -68,14 +73,8 @@ class Clock:
 def child(report: str, fairseq_args: list[str]) -> None:
     """In the measured process: fairseq-train's ``cli_main`` with the parts clocked, the
     clock read at the start of every update."""
-    import fairseq.trainer
-    from fairseq_cli import train
-
     clock = Clock()
-    if "--user-dir" in fairseq_args:  # imported below, fairseq would skip the user dir
-        import fairseq_shard_plugin
-
-        fairseq_shard_plugin.activate()
+    activate_plugin_if_named(fairseq_args)
     for part, targets in TIMED.items():
         for module_name, class_name, method in targets:
             try:
@@ -85,15 +84,9 @@ def child(report: str, fairseq_args: list[str]) -> None:
             if method in vars(owner):  # overridden here (a subclass calls the parent's)
                 setattr(owner, method, clock.wrap(part, getattr(owner, method)))
     marks: list[tuple[float, dict[str, float]]] = []
-    stock_step = fairseq.trainer.Trainer.train_step
-
-    def marked_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        marks.append((time.perf_counter(), dict(clock.seconds)))
-        return stock_step(self, *args, **kwargs)
-
-    fairseq.trainer.Trainer.train_step = marked_step
-    sys.argv = ["fairseq-train", *fairseq_args]
-    train.cli_main()
+    train_marking_updates(
+        fairseq_args, lambda: marks.append((time.perf_counter(), dict(clock.seconds))),
+        contextlib.nullcontext())
     steady = marks[WARMUP_UPDATES:]
     updates = [(b[0] - a[0], {part: b[1].get(part, 0.0) - a[1].get(part, 0.0) for part in TIMED})
                for a, b in zip(steady, steady[1:], strict=False)]
@@ -102,16 +95,7 @@ def child(report: str, fairseq_args: list[str]) -> None:
 
 def measure(corpus: Path, work: Path, name: str, updates: int) -> dict[str, float]:
     """Milliseconds per update of each part (medians) for configuration ``name``."""
-    save_dir = work / name.replace(" ", "_").replace(",", "")
-    report = save_dir.with_suffix(".json")
-    args = [*training_args(corpus, save_dir, updates, max_tokens=512), *MODEL, "--no-save",
-            "--disable-validation", *CONFIGS[name]]
-    command = [sys.executable, "-m", "benchmarks.host_time_split", "--child", str(report),
-               "--", *args]
-    code, output = start_ranks(command, 1, rank_environment(1), timeout=600)
-    if code != 0:
-        raise RuntimeError(f"{name} failed ({code}):\n{output[-4000:]}")
-    found = json.loads(report.read_text())
+    found = run_child("benchmarks.host_time_split", corpus, work, name, updates, [], "split")
     row = {"update": 1000 * statistics.median(total for total, _ in found)}
     for part in TIMED:
         row[part] = 1000 * statistics.median(parts[part] for _, parts in found)
