@@ -175,10 +175,10 @@ from fairseq_shard_plugin.sharding.options import (
     take_use_sharded_state,
 )
 from fairseq_shard_plugin.sharding.precision import untie_bf16_from_tpu
+from fairseq_shard_plugin.sharding.settings import launcher_rank
 from fairseq_shard_plugin.training.launch_env import (
     apply_torchrun_environment,
     default_allocator_setting,
-    launcher_rank,
     uses_cuda,
 )
 from fairseq_shard_plugin.training.private_state import with_private_loaded_state

@@ -12,7 +12,7 @@ from pathlib import Path
 import fairseq
 import pytest
 
-from fairseq_shard_plugin.training.launch_env import launcher_rank
+from fairseq_shard_plugin.sharding.settings import launcher_rank
 from launching.harness import run_command
 
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)

@@ -289,6 +289,18 @@ def test_hybrid_on_one_node_falls_back_to_full_sharding_with_one_warning(
         "more than one group"]
 
 
+def test_the_one_node_warning_stays_quiet_on_srun_ranks_other_than_0(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """srun sets SLURM_PROCID, not RANK: rank 5 of 6 must not repeat rank 0's line."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    with caplog.at_level(logging.WARNING):
+        assert shard_group_size(ShardingConfig(shard_strategy="hybrid"), 6,
+                                {"SLURM_NTASKS_PER_NODE": "6"}) == 6
+    assert caplog.records == []
+
+
 def test_ranks_started_by_srun_get_torchruns_variables() -> None:
     assert first_slurm_host("gpu[07-09,12],cpu1") == "gpu07"
     assert first_slurm_host("node5,node6") == "node5"

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,6 +39,7 @@ from fairseq_shard_plugin.cli.update_timing import (
     at_every_update,
 )
 from fairseq_shard_plugin.memory.meters import LiveTensorMeter, peak_rss_bytes
+from fairseq_shard_plugin.sharding.settings import launcher_rank
 
 USAGE = ("usage: fairseq-shard-measure-train --measure-out PATH_WITH_{rank}.json "
          "[--tensor-meter | --no-tensor-meter] [--profile-updates FIRST-LAST] FAIRSEQ_ARGS...")
@@ -139,7 +139,7 @@ def _profile_range(text: str) -> tuple[int, int]:
 
 def main() -> None:
     options, fairseq_args = _own_options(sys.argv[1:])
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launcher_rank() or 0  # torchrun's RANK, else srun's SLURM_PROCID
     out = Path(options["--measure-out"].replace("{rank}", str(rank)))
     sys.argv = ["fairseq-train", *fairseq_args]
     if _names_the_plugin_as_user_dir(fairseq_args):

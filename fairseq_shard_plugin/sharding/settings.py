@@ -73,6 +73,15 @@ def precision_name(common_cfg: Any) -> str:
         compute_dtype(common_cfg)]
 
 
+def launcher_rank(environ: Mapping[str, str] = os.environ) -> int | None:
+    """This process's global rank as its launcher set it (torchrun's ``RANK``, else srun's
+    ``SLURM_PROCID``); None when no launcher said."""
+    for name in ("RANK", "SLURM_PROCID"):
+        if environ.get(name, "").isdigit():
+            return int(environ[name])
+    return None
+
+
 def ranks_per_node(environ: Mapping[str, str] = os.environ) -> int | None:
     """Ranks on this node as the launcher says: torchrun's ``LOCAL_WORLD_SIZE``, else Slurm's
     tasks per node (when several), else its GPUs on the node; None if nothing says."""
@@ -115,7 +124,7 @@ def shard_group_size(
 def _warn_once(message: str) -> None:
     """Log ``message`` once per process, on rank 0 only (validation and the trainer both
     ask for the group size)."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launcher_rank() in (None, 0):
         logger.warning(message)
 
 

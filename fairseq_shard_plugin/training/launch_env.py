@@ -31,15 +31,6 @@ def launched_by_torchrun(environ: os._Environ[str] | dict[str, str] = os.environ
     return all(name in environ for name in TORCHRUN_VARIABLES)
 
 
-def launcher_rank(environ: Mapping[str, str] = os.environ) -> int | None:
-    """This process's global rank as its launcher set it (torchrun's ``RANK``, else srun's
-    ``SLURM_PROCID``); None when no launcher said."""
-    for name in ("RANK", "SLURM_PROCID"):
-        if environ.get(name, "").isdigit():
-            return int(environ[name])
-    return None
-
-
 def uses_cuda(cfg: Any) -> bool:
     return torch.cuda.is_available() and not cfg.common.cpu
 
