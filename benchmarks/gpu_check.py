@@ -5,7 +5,8 @@ Part 1, ``trainings``: speed in steady state. Stock fairseq's own ``--ddp-backen
 fully_sharded`` (fairscale) path as shipped, the plugin's default FSDP2 engine, the NLLB
 configs (16-bit state and memory features), the fairscale engine, each memory feature
 toggled alone on the default (activation checkpointing, chunked loss, 16-bit parameters,
-16-bit Adam moments, gathered vocabulary), and the default at 16,384 tokens (``RUNS``, in
+16-bit Adam moments, gathered vocabulary), the default at 16,384 tokens, and stock fairseq
+without sharding (``legacy_ddp``: what any engine at world size 1 could reach) (``RUNS``, in
 order of importance: the budget may end the list early); same model, data and seed, 40
 updates each. The model is ``nllb_dense_600m``'s shape spelled out in fairseq's own flags
 (12+12 layers, d 1024, ffn 4096, 16 heads, shared embeddings, pre-norm), so that stock
@@ -99,6 +100,7 @@ class Run:
     flags: list[str]
     tokens: int = 4096
     environment: tuple[tuple[str, str], ...] = ()  # variables for the ranks
+    stock_backend: str = "fully_sharded"  # stock rows' --ddp-backend
 
 
 # in order of importance: the budget may end the list early
@@ -120,6 +122,10 @@ RUNS = [
     # the issue's MFU goal (at least 30%) is set at this batch
     Run("plugin fsdp2 (the default), fp16, 16,384 tokens", True, ["--fp16", *PLUGIN_TASK],
         tokens=16384),
+    # the bound for any sharding engine at world size 1: stock fairseq with no wrapper at
+    # all (fp16 parameters, fp32 master copy in FP16Optimizer, fairseq's per-tensor Adam)
+    Run("stock fairseq without sharding (legacy_ddp), fp16", False, ["--fp16"],
+        stock_backend="legacy_ddp"),
     # sharded CUDA runs get expandable segments from the plugin unless the variable is set
     Run("plugin fsdp2 (the default), fp16, without expandable segments", True,
         ["--fp16", *PLUGIN_TASK],
@@ -348,9 +354,10 @@ def training_row(run_spec: Run, run: harness.RunResult | None, launcher: str,
 
 
 def finish_rows(rows: list[dict], peak: float | None) -> None:
-    """Speed relative to the stock row (at the same tokens), and MFU where the peak is known."""
+    """Speed relative to the stock row (the first run, at the same tokens), and MFU where the
+    peak is known."""
     stock = next((row.get("steady_words_per_second") for row in rows
-                  if not row.get("plugin", True) and row.get("steady_words_per_second")), None)
+                  if row["run"] == RUNS[0].name), None)
     for row in rows:
         wps = row.get("steady_words_per_second")
         if wps and stock and row.get("tokens") == 4096:
@@ -410,9 +417,10 @@ def trainings(budget: float, dry_run: bool, first_run: int = 1) -> None:
         if timeout >= MINIMUM_RUN:
             start = time.monotonic()
             # cuda=True: stock fairseq runs under the measuring launcher itself (no
-            # stock_launch.sh), with --ddp-backend fully_sharded and no --user-dir
+            # stock_launch.sh), with the row's --ddp-backend and no --user-dir
             run = run_training(args, nproc=1, plugin=spec.plugin,
-                               measure_dir=work / tag / "memory", stock_backend="fully_sharded",
+                               measure_dir=work / tag / "memory",
+                               stock_backend=spec.stock_backend,
                                cuda=True, timeout=timeout, check=False, watch=seen,
                                measure_options=measure_options,
                                environment=dict(spec.environment))
