@@ -32,10 +32,12 @@ from fairseq_shard_plugin.checkpoint.atomic_files import (
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.sharded import (
     MARKER,
+    MARKER_HEADER,
     SHARDS_DIR,
     is_plugin_shard_directory,
     mark_as_shard_directory,
     remove_unreferenced_shards,
+    save_sharded,
     shard_directory,
 )
 from fairseq_shard_plugin.checkpoint.space import space_report
@@ -126,7 +128,7 @@ def crashes(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     after_save = crash_training("after-save", 20, args(corpus, save_dir, *SHARDED))
     first = {p.name: p.read_bytes() for p in save_dir.glob("*.pt")}
     first_shards = sorted(p.name for p in (save_dir / SHARDS_DIR).iterdir()
-                          if is_plugin_shard_directory(p))
+                          if is_plugin_shard_directory(p, save_dir))
     # resumed with fairseq's own flag for per-rank files, which the recipes pass: the same
     # format (fairseq's `-shard0` names would not find the update-20 checkpoint)
     during_copy = crash_training("during-copy", 30, args(corpus, save_dir,
@@ -498,9 +500,11 @@ def test_fairseq_generate_reads_a_sharded_checkpoint_directly(
     assert hypotheses(generated["sharded"]) == hypotheses(generated["full"])
 
 
-def _plugin_shards(shards: Path, *names: str) -> None:
+def _plugin_shards(shards: Path, *names: str, save_dir: Path | None = None) -> None:
+    """Shard directories as the plugin writes them for ``save_dir`` (by default the
+    directory that holds ``shards``)."""
     for name in names:
-        mark_as_shard_directory(shards / name)
+        mark_as_shard_directory(shards / name, save_dir or shards.parent)
         (shards / name / ".metadata").write_bytes(b"x")
 
 
@@ -531,12 +535,13 @@ def test_cleanup_through_a_symlinked_shards_dir_deletes_only_the_plugins_directo
     (scratch / "photos" / "holiday.jpg").write_bytes(b"jpeg")
     (scratch / "u5-abc").mkdir()  # named like ours, not marked as ours
     (scratch / "u5-abc" / "notes.txt").write_text("mine")
-    mark_as_shard_directory(scratch / "u7-aaa")  # marked for another name, then renamed
+    save_dir = tmp_path / "save"
+    mark_as_shard_directory(scratch / "u7-aaa", save_dir)  # marked for another name, renamed
     (scratch / "u7-aaa").rename(scratch / "u6-def")
     assert (scratch / "u6-def" / MARKER).is_file()
-    _plugin_shards(elsewhere, "u8-bbb")  # marked, but reached only through a symlink
+    # marked, but reached only through a symlink
+    _plugin_shards(elsewhere, "u8-bbb", save_dir=save_dir)
     (scratch / "u8-bbb").symlink_to(elsewhere / "u8-bbb")
-    save_dir = tmp_path / "save"
     save_dir.mkdir()
     (save_dir / SHARDS_DIR).symlink_to(scratch)
     _plugin_shards(save_dir / SHARDS_DIR, "u10-a", "u20-b")
@@ -548,6 +553,59 @@ def test_cleanup_through_a_symlinked_shards_dir_deletes_only_the_plugins_directo
     assert (scratch / "photos" / "holiday.jpg").read_bytes() == b"jpeg"
     assert (scratch / "u5-abc" / "notes.txt").read_text() == "mine"
     assert (elsewhere / "u8-bbb" / ".metadata").exists()
+
+
+def test_save_dirs_sharing_one_scratch_directory_delete_only_their_own_shards(
+    tmp_path: Path,
+) -> None:
+    """Two runs link checkpoint_shards/ to the same scratch disk: each one's cleanup
+    leaves the other's shard directories alone, referenced or not."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    first, second = tmp_path / "first", tmp_path / "second"
+    for save_dir in (first, second):
+        save_dir.mkdir()
+        (save_dir / SHARDS_DIR).symlink_to(scratch)
+    _plugin_shards(first / SHARDS_DIR, "u1-a", "u2-b", save_dir=first)
+    _indexes(first, checkpoint_last="u2-b")
+    _plugin_shards(second / SHARDS_DIR, "u1-c", save_dir=second)
+    _indexes(second, checkpoint_last="u1-c")
+    # through another path to the same save dir: still its own
+    (tmp_path / "first_link").symlink_to(first)
+    assert is_plugin_shard_directory(scratch / "u1-a", tmp_path / "first_link")
+    removed = remove_unreferenced_shards(second, lambda p: torch.load(p, weights_only=True))
+    assert removed == [] and sorted(p.name for p in scratch.iterdir()) == ["u1-a", "u1-c",
+                                                                        "u2-b"]
+    removed = remove_unreferenced_shards(first, lambda p: torch.load(p, weights_only=True))
+    assert removed == [first / SHARDS_DIR / "u1-a"]
+    assert sorted(p.name for p in scratch.iterdir()) == ["u1-c", "u2-b"]
+
+
+def test_a_shards_directory_that_cannot_be_created_is_one_write_error(tmp_path: Path) -> None:
+    """checkpoint_shards is a file (or read-only, or a dangling link): one WriteError
+    naming it, before any shard is written; nothing else changes."""
+    (tmp_path / SHARDS_DIR).write_text("not a directory")
+    with pytest.raises(WriteError, match=f"could not create the shard directory {tmp_path}/"
+                       f"{SHARDS_DIR}/u3-[0-9a-f]+ for update 3: .*; the checkpoints saved "
+                       "before are unchanged"):
+        save_sharded({"model": {"w": torch.ones(2)}}, tmp_path, 3)
+    assert (tmp_path / SHARDS_DIR).read_text() == "not a directory"
+
+
+def test_markers_of_earlier_releases_count_only_in_a_real_shards_directory(
+    tmp_path: Path,
+) -> None:
+    """Markers written before the save dir was recorded in them: owned by the save dir
+    whose checkpoint_shards/ holds them, unless that is a link (then shared, perhaps)."""
+    legacy = f"{MARKER_HEADER} u1-a\n"
+    own, linked, scratch = tmp_path / "own", tmp_path / "linked", tmp_path / "scratch"
+    for shards in (own / SHARDS_DIR, scratch):
+        (shards / "u1-a").mkdir(parents=True)
+        (shards / "u1-a" / MARKER).write_text(legacy)
+    linked.mkdir()
+    (linked / SHARDS_DIR).symlink_to(scratch)
+    assert is_plugin_shard_directory(own / SHARDS_DIR / "u1-a", own)
+    assert not is_plugin_shard_directory(linked / SHARDS_DIR / "u1-a", linked)
 
 
 def test_an_unreadable_checkpoint_keeps_every_shard_directory_and_says_which(

@@ -16,7 +16,8 @@ The index is written, atomically, only after DCP has finished the directory (its
 ``.metadata`` is written last), so a crash never leaves an index pointing at an
 incomplete directory; directories no index refers to are deleted after each save
 (:func:`remove_unreferenced_shards`), but only those the plugin created and marked as its
-own: ``checkpoint_shards/`` may be a symlink to a scratch disk that holds other things.
+own for this save dir: ``checkpoint_shards/`` may be a symlink to a scratch disk that holds
+other things, and other save dirs' shards.
 DCP reshards on load, so a checkpoint written on N ranks loads on any other number of
 ranks.
 
@@ -136,38 +137,59 @@ def is_sharded_index(state: Any) -> bool:
 # ---------------------------------------------------------------- saving
 
 
-def _marker_text(name: str) -> str:
-    return f"{MARKER_HEADER} {name}\n"
+def _marker_text(name: str, save_dir: Path | None) -> str:
+    """The marker of shard directory ``name`` written for ``save_dir`` (resolved); None:
+    the marker of releases before 2026-12-05, which named no save dir."""
+    owner = "" if save_dir is None else f"save dir: {save_dir}\n"
+    return f"{MARKER_HEADER} {name}\n{owner}"
 
 
 def _new_shard_dir(save_dir: Path, num_updates: int) -> str:
     """A fresh directory, created and marked as the plugin's by rank 0 (before any shard
     is written, so that even an interrupted save's directory is recognised), its name
-    agreed on by all ranks."""
-    name = [f"{SHARDS_DIR}/u{num_updates}-{time.time_ns():x}"]
-    if dist.is_initialized():
-        dist.broadcast_object_list(name, src=0)
+    agreed on by all ranks. A directory rank 0 cannot create stops every rank with one
+    :class:`WriteError`."""
+    name = f"{SHARDS_DIR}/u{num_updates}-{time.time_ns():x}"
+    failure = ""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        mark_as_shard_directory(save_dir / name[0])
-    return name[0]
+        try:
+            mark_as_shard_directory(save_dir / name, save_dir)
+        except OSError as error:
+            failure = (f"could not create the shard directory {save_dir / name} for update "
+                       f"{num_updates}: {describe_os_error(error)}; the checkpoints saved "
+                       "before are unchanged")
+    agreed = [name, failure]
+    if dist.is_initialized():
+        dist.broadcast_object_list(agreed, src=0)
+    if agreed[1]:
+        raise WriteError(agreed[1])
+    return agreed[0]
 
 
-def mark_as_shard_directory(directory: Path) -> None:
-    """Create ``directory`` (if need be) with the marker that makes it the plugin's own."""
+def mark_as_shard_directory(directory: Path, save_dir: Path) -> None:
+    """Create ``directory`` (if need be) with the marker that makes it the plugin's own,
+    for the checkpoints of ``save_dir``."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / MARKER).write_text(_marker_text(directory.name))
+    (directory / MARKER).write_text(_marker_text(directory.name, Path(save_dir).resolve()))
 
 
-def is_plugin_shard_directory(directory: Path) -> bool:
-    """Whether ``directory`` is a shard directory the plugin created: a real directory (not
-    a symlink) named ``u<updates>-<hex>`` that holds the plugin's marker file for that name.
-    Cleanup deletes nothing else."""
+def is_plugin_shard_directory(directory: Path, save_dir: Path) -> bool:
+    """Whether ``directory`` is a shard directory the plugin created for ``save_dir``: a
+    real directory (not a symlink) named ``u<updates>-<hex>`` that holds the plugin's marker
+    file for that name and save dir. Several save dirs may keep their shards in one scratch
+    directory (``checkpoint_shards`` as a symlink): each cleans up only its own. Markers of
+    earlier releases name no save dir: they count only in a ``checkpoint_shards`` that is a
+    real directory of ``save_dir``. Cleanup deletes nothing else."""
     marker = directory / MARKER
     if (directory.is_symlink() or not directory.is_dir() or not _SHARD_DIR_NAME.fullmatch(
             directory.name) or marker.is_symlink() or not marker.is_file()):
         return False
+    save_dir = Path(save_dir)
+    accepted = {_marker_text(directory.name, save_dir.resolve())}
+    if not (save_dir / SHARDS_DIR).is_symlink():
+        accepted.add(_marker_text(directory.name, None))
     try:
-        return marker.read_text() == _marker_text(directory.name)
+        return marker.read_text() in accepted
     except (OSError, UnicodeDecodeError):
         return False
 
@@ -204,7 +226,8 @@ def remove_unreferenced_shards(
     ``save_dir/checkpoint_shards`` that no checkpoint file in ``save_dir`` refers to.
 
     ``checkpoint_shards`` itself may be a symlink (shards on a scratch disk): its entries
-    are listed through it, and only the plugin's own directories among them are candidates.
+    are listed through it, and only the directories the plugin wrote for this save dir
+    among them are candidates (another save dir may share the scratch directory).
     A checkpoint that cannot be read might refer to any of them: then nothing is deleted,
     and a warning names the file."""
     save_dir = Path(save_dir)
@@ -224,7 +247,8 @@ def remove_unreferenced_shards(
             return []
     removed = []
     for directory in sorted(shards.iterdir()):
-        if is_plugin_shard_directory(directory) and directory.resolve() not in referenced:
+        if (is_plugin_shard_directory(directory, save_dir)
+                and directory.resolve() not in referenced):
             shutil.rmtree(directory, ignore_errors=True)
             removed.append(directory)
     return removed
