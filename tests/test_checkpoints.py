@@ -243,6 +243,23 @@ def test_an_interrupted_write_leaves_the_old_file_and_is_cleaned_up(tmp_path: Pa
     assert not leftover.exists() and target.exists()
 
 
+def test_a_write_never_goes_through_a_link_planted_under_a_temporary_name(
+    tmp_path: Path,
+) -> None:
+    """Someone who can write to the output directory plants symlinks under every name the
+    temporary file could have had before: the victim file stays as it was."""
+    victim, target = tmp_path / "victim.txt", tmp_path / "out" / "model.pt"
+    victim.write_text("precious")
+    target.parent.mkdir()
+    for pid in range(os.getpid() - 5, os.getpid() + 5):
+        (target.parent / f".model.pt.partial-{pid}").symlink_to(victim)
+    write_atomically(target, lambda out: out.write(b"exported"))
+    assert victim.read_text() == "precious" and target.read_bytes() == b"exported"
+    assert not target.is_symlink()
+    # the links are a crash's leftovers to the next save: removed, their target kept
+    assert len(remove_partial_files(target.parent)) == 10 and victim.exists()
+
+
 def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_saved_checkpoints(
     corpus: Path, tmp_path: Path
 ) -> None:

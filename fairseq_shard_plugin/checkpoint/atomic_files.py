@@ -4,7 +4,7 @@ Every write goes to a hidden temporary name in the same directory, is flushed an
 fsynced, then renamed over the final name with ``os.replace`` (atomic on POSIX), and the
 directory is fsynced so the rename itself survives a power loss. A process killed at any
 moment leaves either the previous complete file or the new complete file under the name,
-plus at most a leftover ``.NAME.partial-PID`` file that :func:`remove_partial_files`
+plus at most a leftover ``.NAME.partial-PID-RANDOM`` file that :func:`remove_partial_files`
 deletes at the next save. The temporary names match none of fairseq's checkpoint patterns,
 so neither resume nor ``--keep-interval-updates`` ever picks them.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -24,9 +25,20 @@ _PARTIAL_MARK = ".partial-"
 _COPY_CHUNK = 1 << 20
 
 
-def partial_name(path: Path) -> Path:
-    """The temporary name a write of ``path`` goes to before it is renamed into place."""
-    return path.with_name(f".{path.name}{_PARTIAL_MARK}{os.getpid()}")
+def _create_partial_file(path: Path) -> tuple[Path, BinaryIO]:
+    """A new temporary file beside ``path`` for a write of ``path``, open for writing:
+    created exclusively under a fresh unpredictable name (``.NAME.partial-PID-RANDOM``), so a
+    file or symlink planted under that name is never written through."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(100):
+        temporary = path.with_name(
+            f".{path.name}{_PARTIAL_MARK}{os.getpid()}-{secrets.token_hex(6)}")
+        try:
+            descriptor = os.open(temporary, flags, 0o666)
+        except FileExistsError:
+            continue
+        return temporary, os.fdopen(descriptor, "wb")
+    raise FileExistsError(errno.EEXIST, f"no free temporary name beside {path}")
 
 
 def fsync_directory(directory: Path) -> None:
@@ -77,15 +89,17 @@ def write_atomically(path: str | Path, write: Callable[[BinaryIO], None]) -> Non
 
     A write the system refuses raises :class:`WriteError` (the temporary file removed)."""
     path = Path(path)
-    temporary = partial_name(path)
+    temporary: Path | None = None
     try:
-        with open(temporary, "wb") as out:
+        temporary, out = _create_partial_file(path)
+        with out:
             write(out)
             out.flush()
             os.fsync(out.fileno())
         os.replace(temporary, path)
     except BaseException as error:
-        temporary.unlink(missing_ok=True)
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
         cause = os_error_behind(error)
         if cause is None or isinstance(error, WriteError) or not isinstance(error, Exception):
             raise
@@ -106,12 +120,13 @@ def copy_atomically(source: str | Path, destination: str | Path) -> None:
 
 
 def remove_partial_files(directory: str | Path) -> list[Path]:
-    """Delete temporary files left by writes that a crash interrupted; return them."""
+    """Delete temporary files left by writes that a crash interrupted (and links under such
+    names: removing a link leaves its target alone); return them."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    leftovers = [p for p in directory.iterdir()
-                 if p.name.startswith(".") and _PARTIAL_MARK in p.name and p.is_file()]
+    leftovers = [p for p in directory.iterdir() if p.name.startswith(".")
+                 and _PARTIAL_MARK in p.name and (p.is_symlink() or p.is_file())]
     for leftover in leftovers:
         leftover.unlink(missing_ok=True)
     return leftovers
