@@ -64,6 +64,14 @@ CHECKED = {
     f"--export-consolidated {Path(__file__) / 'model.pt'}: {Path(__file__)} is not a "
     "directory": ["--task", "sharded_translation",
                   "--export-consolidated", str(Path(__file__) / "model.pt")],
+    # an export is weights only: a resume from it would restart at update 0
+    "refused: fairseq resumes training from checkpoint_last*.pt": [
+        "--task", "sharded_translation",
+        "--export-consolidated", str(Path(__file__).parent / "checkpoint_last.pt")],
+    "refused: checkpoint_1_20.pt is one of the training's own checkpoint names in "
+    f"{Path(__file__).parent}": [
+        "--task", "sharded_translation", "--save-dir", str(Path(__file__).parent),
+        "--export-consolidated", str(Path(__file__).parent / "checkpoint_1_20.pt")],
 }
 ONE_RANK = ["--no-save"]
 TYPO = "--keep-vocabulary-gatherd"

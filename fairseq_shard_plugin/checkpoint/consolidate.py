@@ -17,6 +17,8 @@ optimizer state included, for code that needs all of it.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,8 @@ from fairseq_shard_plugin.errors import ShardPluginError
 
 # what an inference checkpoint leaves out of a training checkpoint
 _DROPPED = ("last_optimizer_state", SHARDED_KEY)
+# fairseq's names for the checkpoints of a save dir (resume, best, epoch and interval ones)
+_TRAINING_NAME = re.compile(r"checkpoint(_last|_best|[0-9]+|_[0-9]+_[0-9]+)\S*\.pt")
 
 
 class ConsolidateError(ShardPluginError, ValueError):
@@ -173,12 +177,75 @@ def _legacy_inference_state(path: Path, dtype: torch.dtype | None) -> dict[str, 
     return exported
 
 
+def holds_training_state(path: Path) -> bool:
+    """Whether the readable checkpoint at ``path`` is one to resume from (optimizer state,
+    or a sharded index); False for anything else, unreadable files included."""
+    try:
+        state = read_checkpoint(path, "meta")
+    except Exception:
+        return False
+    return isinstance(state, dict) and ("last_optimizer_state" in state
+                                        or is_sharded_index(state))
+
+
+def export_target_problem(destination: str | Path, source: Path | None = None,
+                          save_dir: str | Path | None = None) -> str | None:
+    """Why an export must not be written to ``destination``, or None: it would replace the
+    checkpoint it is read from (``source``) or another training checkpoint, or take a name
+    fairseq resumes from (``checkpoint_last.pt``), or any of fairseq's checkpoint names in
+    the training's ``save_dir``: a resume would then restart at update 0 from weights
+    without optimizer state and overwrite the save dir's checkpoints."""
+    destination = Path(destination)
+    if destination.is_symlink() or destination.is_file():
+        if source is not None and destination.exists() and os.path.samefile(destination,
+                                                                            source):
+            return f"it is the checkpoint being exported ({source})"
+        if holds_training_state(destination):
+            return "it holds a training checkpoint (optimizer state), which it would replace"
+    if re.fullmatch(r"checkpoint_last\S*\.pt", destination.name):
+        return "fairseq resumes training from checkpoint_last*.pt"
+    if save_dir is not None and _TRAINING_NAME.fullmatch(destination.name) \
+            and destination.parent.resolve() == Path(save_dir).resolve():
+        return f"{destination.name} is one of the training's own checkpoint names in {save_dir}"
+    return None
+
+
+class _Unchanged:
+    """The identity of a file when it was first read, to tell whether it was replaced (a
+    training's save renames a new file over ``checkpoint_last.pt``) while being exported:
+    its tensors would then be read from another file at the first one's offsets."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.identity = self._identity()
+
+    def _identity(self) -> tuple[int, ...]:
+        stat = os.stat(self.path)
+        return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+    def check(self) -> None:
+        try:
+            unchanged = self._identity() == self.identity
+        except OSError:
+            unchanged = False
+        if not unchanged:
+            raise ConsolidateError(
+                f"{self.path} was replaced while it was read (a training saving into its "
+                "save dir?): nothing was written; run the export again, or export a "
+                "checkpoint the training no longer writes (e.g. checkpoint_1_20.pt)")
+
+
 def export_consolidated(
     source: str | Path, destination: str | Path, dtype: torch.dtype | None = None
 ) -> Path:
     """Write the inference checkpoint of ``source`` to ``destination`` (atomically), one
-    tensor at a time."""
+    tensor at a time; refused where :func:`export_target_problem` says so."""
     path = resolve_checkpoint(source)
+    problem = export_target_problem(destination, source=path)
+    if problem:
+        raise ConsolidateError(f"refusing to write the export to {destination}: {problem}; "
+                               "name another file (e.g. model.pt)")
+    unchanged = _Unchanged(path)
     try:
         legacy = checkpoint_format(path) == "legacy"
     except NotACheckpointError as error:
@@ -200,7 +267,11 @@ def export_consolidated(
         raise WriteError(f"could not create the directory {destination.parent}: "
                          f"{describe_os_error(error)}") from error
     try:
-        write_atomically(destination, lambda out: write_checkpoint(out, exported, plan))
+        def write(out: Any) -> None:
+            write_checkpoint(out, exported, plan)
+            unchanged.check()  # before the export takes its name
+
+        write_atomically(destination, write)
     except StoredTensorError as error:
         raise ConsolidateError(str(error)) from None
     return destination

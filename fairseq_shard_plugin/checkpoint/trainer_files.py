@@ -117,10 +117,18 @@ def trainer_state_loader(
 
     A sharded index becomes a state whose tensors are this rank's shards (see
     :func:`_load_shards`); a full checkpoint written without the plugin has its optimizer
-    state adopted when it fits (``stock_optimizer_state``).
+    state adopted when it fits (``stock_optimizer_state``). A file without optimizer state
+    is refused unless the optimizer is reset (a fine-tune).
     """
 
     def load(filename: str, state: dict[str, Any]) -> dict[str, Any]:
+        if not reset_optimizer and "last_optimizer_state" not in state:
+            raise CheckpointLoadError(
+                f"{filename}: holds no optimizer state (an export for inference?), so a "
+                "resume would restart at update 0 and overwrite this save dir's checkpoints "
+                f"of those updates: to train from its weights, give --finetune-from-model "
+                f"{filename} (or --reset-optimizer); to resume, restore a training "
+                "checkpoint (fairseq-shard-verify --newest SAVE_DIR names one)")
         if is_sharded_index(state):
             state = _load_shards(trainer, reset_optimizer, filename, state)
         elif not reset_optimizer:

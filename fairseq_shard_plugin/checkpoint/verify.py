@@ -5,8 +5,9 @@ Each file is checked as a resume would check it, without building a model: it mu
 with ``weights_only=True``; a full checkpoint's zip entries must match their CRC-32s; a
 sharded index's shard directory must hold DCP's metadata, every tensor and shard files of
 the recorded sizes and CRC-32s. One line per file: ``ok`` with its update and epoch, or the
-problem. The exit code is 1 when any file is damaged. With ``--newest`` it prints only the
-path of the intact checkpoint with the most updates, for a resume script's
+problem; an intact file without optimizer state is said to be an export, not a checkpoint to
+resume from. The exit code is 1 when any file is damaged. With ``--newest`` it prints only
+the path of the resumable checkpoint with the most updates, for a resume script's
 ``--restore-file``.
 """
 
@@ -36,6 +37,7 @@ class Verdict:
     intact: bool
     line: str  # "PATH: ok (...)" or the problem
     updates: int = -1  # fairseq's update count, where intact and recorded
+    resumable: bool = False  # intact, with optimizer state (not an export for inference)
 
 
 def _position(state: Any) -> tuple[int, str]:
@@ -67,7 +69,10 @@ def check(path: Path) -> Verdict:
             return Verdict(path, False, corruption_message(path, damaged))
         kind = "full"
     updates, position = _position(state)
-    return Verdict(path, True, f"{path}: ok ({kind}, {position})", updates)
+    if "last_optimizer_state" not in state:
+        return Verdict(path, True, f"{path}: ok ({kind}, {position}; no optimizer state: an "
+                       "export for inference, not a checkpoint to resume from)", updates)
+    return Verdict(path, True, f"{path}: ok ({kind}, {position})", updates, resumable=True)
 
 
 def checkpoint_files(sources: Sequence[str]) -> list[Path]:

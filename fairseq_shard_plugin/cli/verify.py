@@ -16,7 +16,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "the plugin) for truncation and corruption, without loading a model.")
     parser.add_argument("sources", nargs="+", help="save dirs (every *.pt) or checkpoint files")
     parser.add_argument("--newest", action="store_true",
-                        help="print only the intact checkpoint with the most updates")
+                        help="print only the intact checkpoint with optimizer state (one to resume "
+                        "from, not an export) with the most updates")
     args = parser.parse_args(argv)
     allow_fairseq_checkpoint_types()
     try:
@@ -27,9 +28,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"{PROG}: error: no *.pt checkpoints in {', '.join(args.sources)}")
     verdicts = [check(path) for path in files]
     if args.newest:
-        intact = [verdict for verdict in verdicts if verdict.intact]
+        intact = [verdict for verdict in verdicts if verdict.resumable]
         if not intact:
-            sys.exit(f"{PROG}: error: no intact checkpoint among {len(verdicts)}")
+            sys.exit(f"{PROG}: error: no intact checkpoint with optimizer state among "
+                     f"{len(verdicts)}")
         # among equals (fairseq copies one save to several names) checkpoint_last wins
         print(max(intact, key=lambda verdict: (
             verdict.updates, verdict.path.name.startswith("checkpoint_last"))).path)

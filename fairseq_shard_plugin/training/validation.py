@@ -8,6 +8,7 @@ from typing import Any
 
 from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_WRAP
 
+from fairseq_shard_plugin.checkpoint.consolidate import export_target_problem
 from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
 from fairseq_shard_plugin.sharding.settings import shard_group_size
@@ -135,6 +136,11 @@ def _check_values(cfg: Any) -> None:
         raise ShardingConfigError(
             f"--export-consolidated {target}: {problem}; the export would fail only after "
             "training: give a path that can be written")
+    problem = export_target_problem(target, save_dir=cfg.checkpoint.save_dir) if target else None
+    if problem:
+        raise ShardingConfigError(
+            f"--export-consolidated {target}: refused: {problem}; name another file (e.g. "
+            "model.pt)")
 
 
 def unwritable_file(target: str) -> str | None:

@@ -1,0 +1,111 @@
+"""An export (``fairseq-shard-consolidate``, ``--export-consolidated``) never takes the place of
+training state: not the checkpoint it reads, not another training checkpoint, not a name
+fairseq resumes from; a source replaced while it is read writes nothing; and verify says an
+export is not a checkpoint to resume from, so ``--newest`` never picks one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from fairseq_shard_plugin.checkpoint import consolidate, verify
+from fairseq_shard_plugin.cli import verify as cli_verify
+
+
+def _training_checkpoint(path: Path, updates: int, seed: int = 0) -> Path:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(8, 4, generator=generator)
+    torch.save({"model": {"encoder.embed_tokens.weight": weight,
+                          "encoder.layers.0.fc1.weight": torch.randn(6, 4, generator=generator)},
+                "cfg": {"model": {"_name": "transformer"}},
+                "optimizer_history": [{"num_updates": updates}],
+                "extra_state": {"train_iterator": {"epoch": 1}},
+                "last_optimizer_state": {"state": {0: {"exp_avg": torch.zeros(8, 4)}}}}, path)
+    return path
+
+
+@pytest.fixture
+def save_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "save"
+    directory.mkdir()
+    _training_checkpoint(directory / "checkpoint_1_4.pt", 4)
+    shutil.copy(directory / "checkpoint_1_4.pt", directory / "checkpoint_last.pt")
+    return directory
+
+
+@pytest.mark.parametrize(("output", "problem"), [
+    ("checkpoint_last.pt", "it is the checkpoint being exported"),
+    ("checkpoint_1_4.pt", "it holds a training checkpoint (optimizer state)"),
+    ("../elsewhere/checkpoint_last.pt", "fairseq resumes training from checkpoint_last*.pt"),
+])
+def test_an_export_never_replaces_training_state(save_dir: Path, output: str,
+                                                 problem: str) -> None:
+    before = {p.name: p.read_bytes() for p in save_dir.iterdir()}
+    with pytest.raises(consolidate.ConsolidateError, match=(
+            f"refusing to write the export to {save_dir / output}: {problem}").replace(
+                "(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        consolidate.export_consolidated(save_dir, save_dir / output)
+    assert {p.name: p.read_bytes() for p in save_dir.iterdir()} == before
+    assert not (save_dir.parent / "elsewhere").exists()
+
+
+def test_a_source_replaced_while_it_is_read_writes_nothing(
+    save_dir: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A training renames its next save over checkpoint_last.pt in the middle of the export:
+    the tensors would come from the new file at the old one's offsets."""
+    newer = _training_checkpoint(save_dir / "checkpoint_1_8.pt", 8, seed=1)
+    write = consolidate.write_checkpoint
+
+    def save_during_the_export(*args: object) -> None:
+        shutil.copy(newer, save_dir / ".next")
+        os.replace(save_dir / ".next", save_dir / "checkpoint_last.pt")
+        write(*args)
+
+    monkeypatch.setattr(consolidate, "write_checkpoint", save_during_the_export)
+    out = save_dir.parent / "out"
+    with pytest.raises(consolidate.ConsolidateError, match="checkpoint_last.pt was replaced "
+                       "while it was read .*: nothing was written; run the export again"):
+        consolidate.export_consolidated(save_dir, out / "model.pt")
+    assert list(out.iterdir()) == []  # no export, no temporary file
+
+
+def test_verify_calls_an_export_intact_but_not_resumable_and_newest_skips_it(
+    save_dir: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An export of the newest update sits beside the training checkpoints (same update
+    count, a name that sorts last): --newest still names a training checkpoint."""
+    export = consolidate.export_consolidated(save_dir, save_dir / "zz_model.pt")
+    verdict = verify.check(export)
+    assert verdict.intact and not verdict.resumable
+    assert verdict.line == (f"{export}: ok (full, update 4, epoch 1; no optimizer state: an "
+                            "export for inference, not a checkpoint to resume from)")
+    assert verify.check(save_dir / "checkpoint_1_4.pt").resumable
+    cli_verify.main(["--newest", str(save_dir)])
+    assert capsys.readouterr().out.strip() == str(save_dir / "checkpoint_last.pt")
+    for name in ("checkpoint_1_4.pt", "checkpoint_last.pt"):
+        (save_dir / name).unlink()
+    with pytest.raises(SystemExit, match="no intact checkpoint with optimizer state among 1"):
+        cli_verify.main(["--newest", str(save_dir)])
+
+
+def test_a_resume_from_a_file_without_optimizer_state_is_refused_unless_reset(
+    save_dir: Path,
+) -> None:
+    """Stock fairseq would load the weights, restart the update count at 0 and then save
+    over the checkpoints of updates 1, 2, ...; a fine-tune (optimizer reset) is fine."""
+    from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError
+    from fairseq_shard_plugin.checkpoint.trainer_files import trainer_state_loader
+
+    export = consolidate.export_consolidated(save_dir, save_dir.parent / "model.pt")
+    state = torch.load(export, weights_only=True)
+    with pytest.raises(CheckpointLoadError, match=(
+            f"{export}: holds no optimizer state .*: to train from its weights, give "
+            f"--finetune-from-model {export} \\(or --reset-optimizer\\)")) as refused:
+        trainer_state_loader(None, reset_optimizer=False)(str(export), state)
+    assert "\n" not in str(refused.value)
+    assert trainer_state_loader(None, reset_optimizer=True)(str(export), state) is state
