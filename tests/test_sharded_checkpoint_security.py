@@ -467,3 +467,22 @@ def test_a_tensor_claiming_more_elements_than_its_bytes_fails_verify(
     verdict = verify.check(index_file)
     assert not verdict.intact
     assert f"model/w claims a chunk of {2**40} elements" in verdict.line, verdict.line
+
+
+def test_a_changed_offset_in_the_metadata_fails_its_checksum(
+    genuine: _Genuine, tmp_path: Path
+) -> None:
+    """.metadata has a CRC-32 in the index too: a chunk's offset changed to another place
+    inside its file passes every structural check and would read the wrong bytes."""
+    index_file, index, directory = genuine.copy(tmp_path / "save")
+    assert ".metadata" in index[SHARDED_KEY]["crc32"]
+    metadata = SafeFileSystemReader(directory).read_metadata()
+    moved = next(item for item in metadata.storage_data.values() if item.offset > 0)
+    moved.offset = 0
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    verdict = verify.check(index_file)
+    assert not verdict.intact
+    assert verdict.line == (f"{index_file}: corrupted checkpoint: {directory / '.metadata'} "
+                            "fails its CRC-32 check (its bytes changed after it was saved); "
+                            "resume from an intact checkpoint with --restore-file "
+                            "(fairseq-shard-verify SAVE_DIR lists them)")

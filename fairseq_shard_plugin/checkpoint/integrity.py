@@ -6,8 +6,10 @@
 * Full checkpoints are zip archives (``torch.save``'s format): every entry carries a
   CRC-32, which :func:`damaged_zip_entries` recomputes. This covers stock fairseq's files
   too.
-* DCP shard files (``.distcp``) carry none, so :func:`shard_checksums` records a CRC-32 of
-  each in the sharded index at save time and :func:`mismatched_shard_files` compares.
+* DCP shard files (``.distcp``) and their ``.metadata`` carry none, so
+  :func:`shard_checksums` records a CRC-32 of each in the sharded index at save time and
+  :func:`mismatched_shard_files` compares (indexes written before 2026-12-05 have none for
+  ``.metadata``).
 
 Both split the files (or entries) among the ranks when called collectively, so each
 rank reads only its share; every rank receives the same verdict.
@@ -23,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 _CHUNK = 16 << 20
+METADATA = ".metadata"  # DCP's file of tensor names, shapes and chunk offsets
 # What every refusal of a damaged checkpoint ends with.
 RESUME_HINT = ("resume from an intact checkpoint with --restore-file (fairseq-shard-verify "
                "SAVE_DIR lists them)")
@@ -78,8 +81,10 @@ def damaged_zip_entries(path: Path, collective: bool = False) -> list[str]:
 
 
 def shard_checksums(directory: Path, collective: bool = True) -> dict[str, int]:
-    """CRC-32 of every ``.distcp`` file of a finished DCP save, computed by all ranks."""
+    """CRC-32 of every ``.distcp`` file of a finished DCP save and of its ``.metadata``,
+    computed by all ranks."""
     names = sorted(path.name for path in directory.glob("*.distcp"))
+    names += [METADATA] if (directory / METADATA).is_file() else []
     mine = {name: file_crc32(directory / name) for name in _my_share(names, collective)}
     return {name: crc for part in _from_every_rank(mine, collective)
             for name, crc in part.items()}
