@@ -107,3 +107,32 @@ def test_a_checkpoint_rewritten_in_place_after_the_load_leaves_the_trainer_state
         report = result_of(found, backend)
         assert report["tensors"] > 0, (backend, report)
         assert report["changed"] == 0, (backend, report)
+
+
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
+def test_optimizer_state_that_does_not_fit_is_refused_before_training(
+    corpus: Path, tmp_path: Path, checkpoint_format: str
+) -> None:
+    """Moments of another shape (a hand-edited file; the states of two parameters swapped
+    in a sharded index) used to load, then fail at the first step in a traceback."""
+    args = [*training_args(corpus, tmp_path, max_update=2, max_tokens=4096), *TINY,
+            "--user-dir", str(PLUGIN_DIR), "--task", "sharded_translation",
+            "--ddp-backend", "fully_sharded", "--checkpoint-format", checkpoint_format]
+    done = run_command([tool("fairseq-train"), *args], env=rank_environment(), timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    last = tmp_path / "checkpoint_last.pt"
+    state = torch.load(last, weights_only=True)
+    moments = state["last_optimizer_state"]["state"]
+    if checkpoint_format == "full":
+        moments[0]["exp_avg"] = torch.zeros(3, 3)
+    else:
+        moments[0], moments[1] = moments[1], moments[0]
+    torch.save(state, last)
+    args[args.index("--max-update") + 1] = "4"
+    resumed = run_command([tool("fairseq-train"), *args], env=rank_environment(), timeout=300)
+    assert resumed.returncode != 0
+    lines = resumed.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"fairseq-shard-plugin: error: {last}: its optimizer state "
+                                "does not fit this model's parameters ("), lines[-1]
+    assert lines[-1].endswith("add --reset-optimizer to start the optimizer afresh")
+    assert "Traceback" not in resumed.stderr, resumed.stderr[-3000:]

@@ -26,7 +26,7 @@ class StockOptimizerStateError(CheckpointLoadError):
     """Stock optimizer state the sharded optimizer cannot take; the message says what to do."""
 
 
-def _layout_problem(saved: dict[str, Any], shapes: Sequence[torch.Size]) -> str | None:
+def layout_problem(saved: dict[str, Any], shapes: Sequence[torch.Size]) -> str | None:
     """Why per-parameter state ``saved`` does not fit parameters of ``shapes``, or None."""
     for index, entry in saved.get("state", {}).items():
         if not isinstance(index, int) or not 0 <= index < len(shapes):
@@ -57,7 +57,7 @@ def adopt_stock_optimizer_state(
         raise StockOptimizerStateError(
             f"{filename}: its optimizer state was saved by {saved_name}, this run uses "
             f"{inner}; add --reset-optimizer to start the optimizer afresh")
-    problem = _layout_problem(state["last_optimizer_state"], parameter_shapes)
+    problem = layout_problem(state["last_optimizer_state"], parameter_shapes)
     if problem:
         raise StockOptimizerStateError(
             f"{filename}: its {saved_name} state does not match this model's parameters one "

@@ -28,7 +28,10 @@ from fairseq_shard_plugin.checkpoint.sharded import (
     saved_shapes,
     tensor_paths,
 )
-from fairseq_shard_plugin.checkpoint.stock_optimizer_state import adopt_stock_optimizer_state
+from fairseq_shard_plugin.checkpoint.stock_optimizer_state import (
+    adopt_stock_optimizer_state,
+    layout_problem,
+)
 from fairseq_shard_plugin.sharding.full_state import share_tied_tensors
 from fairseq_shard_plugin.sharding.options import checkpoint_format
 
@@ -136,9 +139,25 @@ def trainer_state_loader(
             inner = getattr(optimizer, "fp32_optimizer", optimizer)
             adopt_stock_optimizer_state(filename, state, type(optimizer).__name__,
                                         type(inner).__name__, [p.shape for p in optimizer.params])
+        if not reset_optimizer and trainer.settings.engine == "fsdp2":
+            # every optimizer it takes keeps per-element state of its parameter's full
+            # shape (the fairscale engine's flat parameters are laid out differently)
+            _refuse_misfit_optimizer_state(filename, state, trainer.optimizer.params)
         return state
 
     return load
+
+
+def _refuse_misfit_optimizer_state(filename: str, state: dict[str, Any],
+                                   params: list[torch.Tensor]) -> None:
+    """Optimizer state of other shapes (another model's, a file edited by hand) fails only at
+    the first step, in a traceback on every rank: refuse it before anything is loaded."""
+    problem = layout_problem(state.get("last_optimizer_state") or {},
+                             [param.shape for param in params])
+    if problem:
+        raise CheckpointLoadError(
+            f"{filename}: its optimizer state does not fit this model's parameters "
+            f"({problem}); add --reset-optimizer to start the optimizer afresh")
 
 
 def _load_shards(
