@@ -376,6 +376,7 @@ def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
                 raise save_failure(error, cfg.save_dir) from error
         gathers_before = trainer.state_dict_calls
         saving_rank = trainer.should_save_checkpoint_on_current_rank
+        failure: WriteError | None = None
         try:  # a refused write (full disk) ends the run in one line that says what to do
             with _atomic_checkpoint_copies():
                 saved = stock_save(cfg, trainer, epoch_itr, val_loss, *args, **kwargs)
@@ -393,7 +394,12 @@ def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
                     # copies), joined so that no rank waits in it alone
                     dist.barrier()
         except WriteError as error:
-            raise save_failure(error, cfg.save_dir) from error
+            failure = error
+        # the saving rank alone writes the files: the others learn of its failure here,
+        # and stop with the same line instead of a broken connection at the next step
+        failed = _first_failure(failure)
+        if failed is not None:
+            raise save_failure(failure or WriteError(failed), cfg.save_dir) from failure
         if saving_rank and not cfg.no_save:
             trainer.after_checkpoint_save()
         return saved
@@ -401,6 +407,16 @@ def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
     # fairseq keeps the best validation loss as an attribute of the module-level function
     # (``save_checkpoint.best``), looked up by name: it now lives on this wrapper.
     return _marked(save_checkpoint, stock_save)
+
+
+def _first_failure(failure: WriteError | None) -> str | None:
+    """Collective: the first failed write among every rank's (``failure`` is this rank's),
+    as its message, or None when every rank's save succeeded."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None if failure is None else str(failure)
+    failures: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, None if failure is None else str(failure))
+    return next((text for text in failures if text is not None), None)
 
 
 def _full_tensors_of_index(path: str, index: dict[str, Any]) -> dict[str, Any]:

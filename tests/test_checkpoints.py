@@ -260,17 +260,18 @@ def test_a_write_never_goes_through_a_link_planted_under_a_temporary_name(
     assert len(remove_partial_files(target.parent)) == 10 and victim.exists()
 
 
+@pytest.mark.parametrize("checkpoint_format", ["sharded", "full"])
 def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_saved_checkpoints(
-    corpus: Path, tmp_path: Path
+    corpus: Path, tmp_path: Path, checkpoint_format: str
 ) -> None:
     """The save at update 6 fails (the disk filled after update 4; see the helper): every
-    rank stops instead of waiting for the failed one, the line says what to do, and the
-    update-3 checkpoints are intact with nothing half-written beside them. The sharded
-    format, where every rank writes (DCP) and a failed save leaves a shard directory; the
-    full format's single writer goes through ``write_atomically`` (tested above)."""
+    rank stops with the same line instead of waiting for the failed one (or dying on a
+    broken connection), the line says what to do, and the update-3 checkpoints are intact
+    with nothing half-written beside them. In the sharded format every rank writes (DCP)
+    and a failed save leaves a shard directory; in the full format rank 0 alone writes."""
     command = [sys.executable, str(FULL_DISK_HELPER),
                *training_args(corpus, tmp_path, 6), *TINY, "--task", "sharded_translation",
-               "--save-interval-updates", "3", *SHARDED,
+               "--save-interval-updates", "3", "--checkpoint-format", checkpoint_format,
                "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded"]
     env = dict(os.environ, FULL_AFTER_UPDATE="4", FILE_LIMIT=str(512 * 1024),
                OMP_NUM_THREADS="1")
@@ -278,13 +279,27 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_saved_checkpoints(
     assert returncode == 1, output[-3000:]
     errors = [line for line in output.splitlines()
               if line.startswith("fairseq-shard-plugin: error: could not write ")]
-    assert errors and "File too large (EFBIG)" in errors[0], output[-3000:]
-    assert f"Free space in {tmp_path} and run the same command again" in errors[0]
+    assert len(errors) == 2 and len(set(errors)) == 1, output[-3000:]  # every rank, one line
+    assert "File too large (EFBIG)" in errors[0], output[-3000:]
+    assert f"Free space in {tmp_path} and run the same command again: it resumes" in errors[0]
+    assert "Traceback" not in output, output[-3000:]
     names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
     assert names == ["checkpoint_1_3.pt", "checkpoint_best.pt", "checkpoint_last.pt"]
     assert saved_update(tmp_path / "checkpoint_last.pt") == 3
     assert all(verify.check(tmp_path / name).intact for name in names)
-    assert len(list((tmp_path / "checkpoint_shards").iterdir())) == 1  # failed one removed
+    if checkpoint_format == "sharded":  # the failed save's directory removed
+        assert len(list((tmp_path / "checkpoint_shards").iterdir())) == 1
+
+
+def test_a_failed_first_save_does_not_promise_a_resume(tmp_path: Path) -> None:
+    from fairseq_shard_plugin.checkpoint.errors import save_failure
+
+    line = str(save_failure(WriteError("could not write x"), str(tmp_path)))
+    assert line.endswith("run the same command again: no checkpoint was saved yet, so it "
+                         "starts afresh")
+    (tmp_path / "checkpoint_last.pt").write_bytes(b"")
+    assert "it resumes from checkpoint_last.pt" in str(save_failure(WriteError("x"),
+                                                                    str(tmp_path)))
 
 
 def test_a_save_dir_too_small_for_a_save_is_warned_about(tmp_path: Path) -> None:

@@ -24,7 +24,12 @@ class CheckpointWriteError(WriteError):
 
 
 def save_failure(error: WriteError, save_dir: str) -> CheckpointWriteError:
-    """``error`` with what to do: free space, then resume from the intact checkpoints."""
+    """``error`` with what to do: free space, then resume from the intact checkpoints (or
+    start afresh, where no checkpoint was saved yet)."""
+    if not any(Path(save_dir).glob("checkpoint_last*.pt")):
+        return CheckpointWriteError(
+            f"{error}. Free space in {save_dir} and run the same command again: no "
+            "checkpoint was saved yet, so it starts afresh")
     return CheckpointWriteError(
         f"{error}. Free space in {save_dir} and run the same command again: it resumes "
         "from checkpoint_last.pt (fairseq-shard-verify checks what is there)")
