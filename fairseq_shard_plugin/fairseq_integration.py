@@ -124,7 +124,8 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
     every rank believes it is the master and they create and remove the same file at
     once: one of them fails with ``FileNotFoundError: .../dummy``. The wrapper runs the
     check only on the rank the launcher numbered 0 (torchrun's ``RANK``, srun's
-    ``SLURM_PROCID``); without a launcher, as fairseq does.
+    ``SLURM_PROCID``); without a launcher, as fairseq does. A save dir that cannot be
+    written ends the run in one line there, instead of fairseq's traceback.
 
 Signatures that differ between fairseq 0.12 and the nllb branch (extra keyword arguments of
 ``fsdp_enable_wrap``, ``save_checkpoint``, ``load_checkpoint_to_cpu``, ``Trainer.state_dict``
@@ -163,7 +164,11 @@ import torch.distributed as dist
 from fairseq.file_io import PathManager
 
 from fairseq_shard_plugin import names_this_plugin
-from fairseq_shard_plugin.checkpoint.atomic_files import WriteError, copy_atomically
+from fairseq_shard_plugin.checkpoint.atomic_files import (
+    WriteError,
+    copy_atomically,
+    describe_os_error,
+)
 from fairseq_shard_plugin.checkpoint.errors import save_failure
 from fairseq_shard_plugin.checkpoint.portable import languages_as_lists, with_model_namespace
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
@@ -515,7 +520,12 @@ def _verifying_on_rank_zero(stock_verify: Callable[..., Any]) -> Callable[..., A
     def verify_checkpoint_directory(save_dir: str, *args: Any, **kwargs: Any) -> Any:
         if launcher_rank() not in (None, 0):  # hook 12: rank 0 probes the save dir
             return None
-        return stock_verify(save_dir, *args, **kwargs)
+        try:
+            return stock_verify(save_dir, *args, **kwargs)
+        except OSError as error:  # fairseq logs it, then re-raises it as a traceback
+            raise WriteError(f"cannot write to the save dir {save_dir}: "
+                             f"{describe_os_error(error)}; give a --save-dir that can be "
+                             "written") from error
 
     return _marked(verify_checkpoint_directory, stock_verify)
 

@@ -131,3 +131,13 @@ def test_a_legacy_file_is_read_not_mapped(tmp_path: Path) -> None:
     path = tmp_path / "legacy.pt"
     torch.save({"w": torch.arange(4.0)}, path, _use_new_zipfile_serialization=False)
     assert torch.equal(read_checkpoint(path)["w"], torch.arange(4.0))
+
+
+def test_a_model_entry_that_is_not_a_dict_is_named(tmp_path: Path) -> None:
+    """Both the verifier and the load-error explainer used to call it ok or crash on it."""
+    path = tmp_path / "checkpoint_last.pt"
+    torch.save({**_fairseq_state(), "model": [torch.zeros(2)]}, path)
+    expected = f"{path}: not a fairseq checkpoint (its 'model' is a list, not a dict of tensors)"
+    verdict = verify.check(path)
+    assert not verdict.intact and verdict.line == expected
+    assert describe_checkpoint_problem(str(path), {}, RuntimeError("x")) == expected

@@ -111,7 +111,11 @@ def describe_checkpoint_problem(
         saved = state["model"]
     except Exception as read_error:  # any failure to read means the file is unreadable
         return f"{describe_unreadable(filename, read_error)}; {RESUME_HINT}"
-    shapes = {name: tuple(tensor.shape) for name, tensor in saved.items()}
+    if not isinstance(saved, dict):
+        return f"{filename}: not a fairseq checkpoint (its 'model' is a {type(saved).__name__}, " \
+            "not a dict of tensors)"
+    shapes = {name: tuple(tensor.shape) for name, tensor in saved.items()
+              if isinstance(tensor, torch.Tensor)}
     problem = describe_shape_mismatch(filename, shapes, model_shapes)
     if problem:
         return problem

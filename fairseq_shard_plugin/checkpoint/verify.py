@@ -57,6 +57,9 @@ def check(path: Path) -> Verdict:
         return Verdict(path, False, describe_unreadable(path, error))
     if not isinstance(state, dict) or "model" not in state:
         return Verdict(path, False, f"{path}: not a fairseq checkpoint (no 'model')")
+    if not isinstance(state["model"], dict):
+        return Verdict(path, False, f"{path}: not a fairseq checkpoint (its 'model' is a "
+                       f"{type(state['model']).__name__}, not a dict of tensors)")
     if is_sharded_index(state):
         try:
             read_shard_metadata(path, state)
