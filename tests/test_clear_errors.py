@@ -141,6 +141,23 @@ def test_unworkable_options_are_named_in_one_line(corpus: Path, named: str) -> N
     assert "\n" not in str(refused.value)
 
 
+def test_fairseqs_default_backend_on_cpu_ranks_is_one_line(corpus: Path) -> None:
+    """torchrun's 2 CPU ranks without --ddp-backend: the plugin's launcher setup (gloo,
+    device 0) would reach DistributedDataParallel, which refuses CPU modules with device ids
+    in a traceback on every rank; stock fairseq would train each rank alone."""
+    from fairseq_shard_plugin.training.launch_env import apply_torchrun_environment
+    from fairseq_shard_plugin.training.validation import check_any_backend
+
+    cfg = sharded_config(corpus, "--cpu", "--ddp-backend", "pytorch_ddp")
+    apply_torchrun_environment(cfg, {"WORLD_SIZE": "2", "RANK": "0",
+                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    with pytest.raises(ShardingConfigError, match=re.escape(
+            "--ddp-backend pytorch_ddp (fairseq's default) cannot train on CPU ranks")):
+        check_any_backend(cfg)
+    cfg.distributed_training.ddp_backend = "legacy_ddp"
+    check_any_backend(cfg)
+
+
 def test_use_sharded_state_is_taken_as_the_sharded_format(corpus: Path) -> None:
     """fairseq's --use-sharded-state (its recipes pass it): the plugin's sharded format,
     fairseq's flag cleared (its `-shard0` file names never used); with a format or engine

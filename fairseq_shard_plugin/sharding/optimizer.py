@@ -85,8 +85,8 @@ def build_sharded_optimizer(cfg: Any, params: list[torch.Tensor], settings: Shar
             or cfg.optimizer._name in ELEMENT_WISE_WITHOUT_FLAT_PARAMS):
         raise ShardingConfigError(
             f"--optimizer {cfg.optimizer._name} is not element-wise, so its sharded "
-            "state would differ from unsharded training: use adam, adamw, sgd, adadelta, "
-            "adamax or adagrad with --ddp-backend fully_sharded"
+            "state would differ from unsharded training: use adam (fairseq's is AdamW), "
+            "sgd, nag, adadelta, adamax or adagrad with --ddp-backend fully_sharded"
         )
     if own_adam:
         fp16_moments = fp16_adam_stats(cfg.optimizer)

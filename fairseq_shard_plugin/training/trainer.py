@@ -367,7 +367,12 @@ class ShardedTrainer(Trainer):
             ) from error
         self.engine.shard_loaded_state(self.optimizer.optimizer)
         release_checkpoint_pages(self)
-        converted = convert_position(extra_state, self.data_parallel_world_size)
+        checkpoint_cfg = self.cfg.checkpoint
+        # fairseq starts a fresh data iterator for these (a fine-tune resets the dataloader)
+        fresh_data = checkpoint_cfg.reset_dataloader or filename == getattr(
+            checkpoint_cfg, "finetune_from_model", None)
+        converted = None if fresh_data else convert_position(extra_state,
+                                                             self.data_parallel_world_size)
         if converted:
             logger.info(converted)
         return extra_state

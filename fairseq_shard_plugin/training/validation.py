@@ -111,7 +111,15 @@ def _check_plugin_options(cfg: Any) -> None:
 
 
 def check_any_backend(cfg: Any) -> None:
-    """What the plugin's task and criterion need under every ``--ddp-backend``."""
+    """What the plugin's task and criterion need under every ``--ddp-backend``, and what
+    stock backends cannot do on the CPU ranks the plugin sets up."""
+    dist_cfg = cfg.distributed_training
+    if (dist_cfg.ddp_backend in ("pytorch_ddp", "c10d") and dist_cfg.distributed_world_size > 1
+            and not uses_cuda(cfg)):
+        raise ShardingConfigError(
+            f"--ddp-backend {dist_cfg.ddp_backend} (fairseq's default) cannot train on CPU "
+            "ranks: fairseq gives DistributedDataParallel a device id, which CPU modules "
+            "refuse; use --ddp-backend fully_sharded (the plugin's sharding) or legacy_ddp")
     chunk = getattr(cfg.criterion, "loss_chunk_tokens", None)
     if chunk is not None and chunk < 1:
         raise ShardingConfigError(
