@@ -8,6 +8,7 @@ function (``validation.check_sharded_config``) on fairseq's own parse of the fla
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -156,6 +157,24 @@ def test_fairseqs_default_backend_on_cpu_ranks_is_one_line(corpus: Path) -> None
         check_any_backend(cfg)
     cfg.distributed_training.ddp_backend = "legacy_ddp"
     check_any_backend(cfg)
+
+
+def test_plugin_options_without_effect_in_the_run_are_named(
+    corpus: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    from fairseq_shard_plugin.sharding.settings import ShardingSettings
+    from fairseq_shard_plugin.training.trainer import _log_flags_taken_over
+
+    cfg = sharded_config(corpus, "--cpu", "--task", "sharded_translation", "--optimizer",
+                         "adam", "--reduce-in-16-bit", "--shard-group-size", "3")
+    with caplog.at_level(logging.WARNING):
+        _log_flags_taken_over(cfg, ShardingSettings.from_config(cfg, 1, False))
+    assert [record.getMessage() for record in caplog.records
+            if record.name.startswith("fairseq_shard_plugin")] == [
+        "--reduce-in-16-bit has no effect in an fp32 run (its gradients are fp32): add --fp16 "
+        "or --bf16, or remove it",
+        "--shard-group-size 3 has no effect without --shard-strategy hybrid: this run shards "
+        "fully over all its ranks"]
 
 
 def test_use_sharded_state_is_taken_as_the_sharded_format(corpus: Path) -> None:

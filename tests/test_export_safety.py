@@ -109,3 +109,19 @@ def test_a_resume_from_a_file_without_optimizer_state_is_refused_unless_reset(
         trainer_state_loader(None, reset_optimizer=False)(str(export), state)
     assert "\n" not in str(refused.value)
     assert trainer_state_loader(None, reset_optimizer=True)(str(export), state) is state
+
+
+def test_a_damaged_source_is_named_with_advice_for_an_export_not_a_resume(
+    save_dir: Path, tmp_path: Path,
+) -> None:
+    source = save_dir / "checkpoint_1_4.pt"
+    data = bytearray(source.read_bytes())
+    weight = torch.load(source, weights_only=True)["model"]["encoder.embed_tokens.weight"]
+    data[data.index(weight.numpy().tobytes()) + 5] ^= 0xFF  # inside its stored bytes
+    source.write_bytes(bytes(data))
+    with pytest.raises(consolidate.ConsolidateError) as refused:
+        consolidate.export_consolidated(source, tmp_path / "model.pt")
+    message = str(refused.value)
+    assert "fails its CRC-32 check" in message, message
+    assert message.endswith("export an intact checkpoint instead (fairseq-shard-verify "
+                            "SAVE_DIR lists them)") and "--restore-file" not in message

@@ -30,7 +30,11 @@ from fairseq_shard_plugin.checkpoint.atomic_files import (
     write_atomically,
 )
 from fairseq_shard_plugin.checkpoint.errors import describe_unreadable
-from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
+from fairseq_shard_plugin.checkpoint.integrity import (
+    RESUME_HINT,
+    corruption_message,
+    damaged_zip_entries,
+)
 from fairseq_shard_plugin.checkpoint.portable import portable_state
 from fairseq_shard_plugin.checkpoint.reading import (
     NotACheckpointError,
@@ -65,12 +69,18 @@ from fairseq_shard_plugin.errors import ShardPluginError
 
 # what an inference checkpoint leaves out of a training checkpoint
 _DROPPED = ("last_optimizer_state", SHARDED_KEY)
+_EXPORT_HINT = "export an intact checkpoint instead (fairseq-shard-verify SAVE_DIR lists them)"
 # fairseq's names for the checkpoints of a save dir (resume, best, epoch and interval ones)
 _TRAINING_NAME = re.compile(r"checkpoint(_last|_best|[0-9]+|_[0-9]+_[0-9]+)\S*\.pt")
 
 
 class ConsolidateError(ShardPluginError, ValueError):
-    """An input that cannot be consolidated; the message names the path and the problem."""
+    """An input that cannot be consolidated; the message names the path and the problem,
+    and advises exporting another checkpoint where the checks' own advice is to resume
+    from one."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message.replace(RESUME_HINT, _EXPORT_HINT))
 
 
 def resolve_checkpoint(source: str | Path) -> Path:

@@ -113,7 +113,7 @@ def shard_group_size(
         )
     if size >= world_size:
         # a configuration written for a cluster, run on one node: nothing to replicate over
-        _warn_once(f"--shard-strategy hybrid: all {world_size} ranks form one shard group "
+        warn_once(f"--shard-strategy hybrid: all {world_size} ranks form one shard group "
                    f"({size} ranks per group), so this run shards fully over them (as "
                    "--shard-strategy full); hybrid sharding needs more than one group")
         return world_size
@@ -121,7 +121,7 @@ def shard_group_size(
 
 
 @functools.cache
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
     """Log ``message`` once per process, on rank 0 only (validation and the trainer both
     ask for the group size)."""
     if launcher_rank() in (None, 0):

@@ -54,7 +54,7 @@ from fairseq_shard_plugin.sharding.host_step_overlap import BackgroundHostStep, 
 from fairseq_shard_plugin.sharding.optimizer import build_sharded_optimizer
 from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
 from fairseq_shard_plugin.sharding.parallelize import parallelize
-from fairseq_shard_plugin.sharding.settings import ShardingSettings
+from fairseq_shard_plugin.sharding.settings import ShardingSettings, warn_once
 from fairseq_shard_plugin.sharding.sharded_adam import ShardedAdam
 from fairseq_shard_plugin.training import signal_stop
 from fairseq_shard_plugin.training.data_position import convert_position, record_ranks
@@ -109,16 +109,25 @@ def _offload_hidden(trainer: Any, dist_cfg: Any) -> Iterator[None]:
 
 
 def _log_flags_taken_over(cfg: Any, settings: ShardingSettings) -> None:
-    """Name fairseq's FSDP flags the plugin does not use, what ZeRO-2 costs, and the
-    checkpoint format chosen for offloaded runs."""
+    """Name fairseq's FSDP flags the plugin does not use, the plugin's own options that have
+    no effect in this run, what ZeRO-2 costs, and the checkpoint format chosen for
+    offloaded runs."""
     for flag in ignored_fsdp_flags(cfg):
         logger.info(f"ignored under the plugin: {flag}")
+    options = sharding_options(cfg.task)
+    if settings.compute_dtype is None:
+        for flag in ("reduce_in_16_bit", "reduce_vocabulary_in_16_bit"):
+            if getattr(options, flag):
+                warn_once(f"--{flag.replace('_', '-')} has no effect in an fp32 run (its "
+                          "gradients are fp32): add --fp16 or --bf16, or remove it")
+    if options.shard_group_size and options.shard_strategy != "hybrid":
+        warn_once(f"--shard-group-size {options.shard_group_size} has no effect without "
+                  "--shard-strategy hybrid: this run shards fully over all its ranks")
     if not settings.reshard.layers:
         logger.info("--no-reshard-after-forward: every unit stays gathered from its forward "
                     "to its backward (no all-gathers in backward; the whole model's "
                     "gathered copy is live at the peak)")
-    if sharding_options(cfg.task).checkpoint_format == "auto" and (
-            checkpoint_format(cfg) == "sharded"):
+    if options.checkpoint_format == "auto" and checkpoint_format(cfg) == "sharded":
         logger.info("--cpu-offload: checkpoints are saved in the sharded format (each rank "
                     "writes its own shards; a full save would gather the whole model and "
                     "optimizer state in rank 0's host memory); --checkpoint-format full "
