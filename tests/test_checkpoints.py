@@ -256,8 +256,28 @@ def test_a_write_never_goes_through_a_link_planted_under_a_temporary_name(
     write_atomically(target, lambda out: out.write(b"exported"))
     assert victim.read_text() == "precious" and target.read_bytes() == b"exported"
     assert not target.is_symlink()
-    # the links are a crash's leftovers to the next save: removed, their target kept
-    assert len(remove_partial_files(target.parent)) == 10 and victim.exists()
+    # the links are leftovers: those of ended processes went with the write, the next
+    # save removes the rest; their target stays
+    remove_partial_files(target.parent)
+    assert [p.name for p in target.parent.iterdir()] == ["model.pt"] and victim.exists()
+
+
+def test_a_write_removes_the_temporary_files_of_its_killed_predecessors_only(
+    tmp_path: Path,
+) -> None:
+    """A killed export leaves .model.pt.partial-PID-*; the next write of model.pt removes
+    it, but not a live process's write in progress, nor other names' files."""
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True)
+    dead, alive = int(finished.stdout), os.getpid()
+    leftovers = {name: tmp_path / name for name in (
+        f".model.pt.partial-{dead}-0a1b", f".model.pt.partial-{dead}",
+        f".model.pt.partial-{alive}-2c3d", f".other.pt.partial-{dead}-4e5f")}
+    for path in leftovers.values():
+        path.write_bytes(b"half")
+    write_atomically(tmp_path / "model.pt", lambda out: out.write(b"whole"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
+        "model.pt", f".model.pt.partial-{alive}-2c3d", f".other.pt.partial-{dead}-4e5f"])
 
 
 @pytest.mark.parametrize("checkpoint_format", ["sharded", "full"])
@@ -548,12 +568,16 @@ def _indexes(save_dir: Path, **targets: str) -> None:
 
 def test_shards_that_no_checkpoint_names_are_removed(tmp_path: Path) -> None:
     shards = tmp_path / SHARDS_DIR
-    _plugin_shards(shards, "u10-a", "u20-b", "u30-c")
+    _plugin_shards(shards, "u5-z", "u10-a", "u20-b", "u30-c")
     _indexes(tmp_path, checkpoint_1_20="u20-b", checkpoint_last="u30-c")
     torch.save({"model": {}}, tmp_path / "checkpoint_best.pt")  # a full checkpoint
+    # a user's copy of an older index keeps its shards too
+    torch.save({"sharded_checkpoint": {"dir": f"{SHARDS_DIR}/u5-z"}},
+               tmp_path / "checkpoint_last.pt.bak")
+    (tmp_path / "train.log").write_text("not a checkpoint")  # not read
     removed = remove_unreferenced_shards(tmp_path, lambda p: torch.load(p, weights_only=True))
     assert removed == [shards / "u10-a"]
-    assert sorted(p.name for p in shards.iterdir()) == ["u20-b", "u30-c"]
+    assert sorted(p.name for p in shards.iterdir()) == ["u20-b", "u30-c", "u5-z"]
 
 
 def test_cleanup_through_a_symlinked_shards_dir_deletes_only_the_plugins_directories(

@@ -12,7 +12,9 @@ so neither resume nor ``--keep-interval-updates`` ever picks them.
 from __future__ import annotations
 
 import errno
+import glob
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Callable
@@ -84,13 +86,36 @@ def describe_os_error(error: OSError) -> str:
     return f"{error.strerror or error}" + (f" ({name})" if name else "")
 
 
+def _process_is_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
+def remove_stale_partial_files(path: Path) -> None:
+    """Delete the temporary files of earlier writes of ``path`` whose process has ended (a
+    killed export or save); a live process's write in progress is left alone."""
+    pattern = re.compile(re.escape(f".{path.name}{_PARTIAL_MARK}") + r"([0-9]+)(-[0-9a-f]+)?")
+    for leftover in path.parent.glob(f".{glob.escape(path.name)}{_PARTIAL_MARK}*"):
+        match = pattern.fullmatch(leftover.name)
+        if match and _process_is_gone(int(match[1])) and (
+                leftover.is_symlink() or leftover.is_file()):
+            leftover.unlink(missing_ok=True)
+
+
 def write_atomically(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
-    """Call ``write(file)`` on a temporary file, then move it to ``path`` in one step.
+    """Call ``write(file)`` on a temporary file, then move it to ``path`` in one step;
+    the temporary files that killed writes of ``path`` left are removed first.
 
     A write the system refuses raises :class:`WriteError` (the temporary file removed)."""
     path = Path(path)
     temporary: Path | None = None
     try:
+        remove_stale_partial_files(path)
         temporary, out = _create_partial_file(path)
         with out:
             write(out)

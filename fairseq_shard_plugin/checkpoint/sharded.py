@@ -223,7 +223,8 @@ def remove_unreferenced_shards(
     save_dir: str | Path, read_index: Callable[[Path], Any]
 ) -> list[Path]:
     """Delete the plugin's shard directories (:func:`is_plugin_shard_directory`) in
-    ``save_dir/checkpoint_shards`` that no checkpoint file in ``save_dir`` refers to.
+    ``save_dir/checkpoint_shards`` that no checkpoint file in ``save_dir`` refers to
+    (``*.pt``, and copies named ``*.pt.*`` such as ``checkpoint_last.pt.bak``).
 
     ``checkpoint_shards`` itself may be a symlink (shards on a scratch disk): its entries
     are listed through it, and only the directories the plugin wrote for this save dir
@@ -235,7 +236,11 @@ def remove_unreferenced_shards(
     if not shards.is_dir():
         return []
     referenced = set()
-    for checkpoint in sorted(save_dir.glob("*.pt")):
+    # fairseq's names, and copies a user made beside them (checkpoint_last.pt.bak)
+    indexes = sorted(path for path in save_dir.iterdir() if not path.name.startswith(".")
+                     and (path.name.endswith(".pt") or ".pt." in path.name)
+                     and path.is_file())
+    for checkpoint in indexes:
         try:
             index = read_index(checkpoint)
             if is_sharded_index(index):
