@@ -35,11 +35,11 @@ def _create_partial_file(path: Path) -> tuple[Path, BinaryIO]:
     for _ in range(100):
         temporary = path.with_name(
             f".{path.name}{_PARTIAL_MARK}{os.getpid()}-{secrets.token_hex(6)}")
-        try:
-            descriptor = os.open(temporary, flags, 0o666)
+        try:  # (an opener keeps the file object's name the path, as open() gives it)
+            return temporary, open(temporary, "wb",  # the caller closes it
+                                   opener=lambda name, _: os.open(name, flags, 0o666))
         except FileExistsError:
             continue
-        return temporary, os.fdopen(descriptor, "wb")
     raise FileExistsError(errno.EEXIST, f"no free temporary name beside {path}")
 
 

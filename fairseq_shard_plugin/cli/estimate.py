@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     shape, setup = report["model"], report["setup"]
     if training_command is not None:
         print(f"The training command as the estimator's flags: {shlex.join([PROG, *flags])}")
+    if report["assumed"]:
+        print(f"Assumed, as nothing gave them: {', '.join(report['assumed'])} (give them, "
+              "--config FILE, or your training command after --, for your run)")
     print(f"{shape['parameters'] / 1e6:.1f}M parameters (vocabulary unit "
           f"{shape['vocabulary_unit_parameters'] / 1e6:.1f}M), {setup['tokens']} tokens per "
           f"rank, {setup['precision']} compute, {TrainingSetup(**setup).state_description()}")

@@ -59,6 +59,10 @@ class EstimateError(ShardPluginError, ValueError):
     """Bad input, reported as one line naming the flag to change."""
 
 
+# values every estimate rests on, which the output names when the defaults were taken
+ASSUMED = ("arch", "vocab", "world_size", "max_tokens")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 usage=f"{PROG} [options] [-- fairseq-train arguments]",
@@ -67,7 +71,8 @@ def parser() -> argparse.ArgumentParser:
                    "dense_600m.yaml): its model, precision, optimizer, criterion, max tokens "
                    "and plugin keys become the defaults; flags given as well override them")
     p.add_argument("--arch", default="nllb_dense_600m",
-                   help="any registered fairseq encoder-decoder transformer arch")
+                   help="any registered fairseq encoder-decoder transformer arch (default: "
+                   "%(default)s, NLLB-600M's shape)")
     for flag in SIZE_FLAGS:
         p.add_argument("--" + flag.replace("_", "-"), type=int, help="override the arch's value")
     p.add_argument("--attention-dropout", type=float,
@@ -77,9 +82,12 @@ def parser() -> argparse.ArgumentParser:
                        help="fairseq's flag (on where the arch sets it)")
     p.add_argument("--share-all-embeddings", action=argparse.BooleanOptionalAction,
                    default=None, help="default: the arch's (on for nllb_dense_*)")
-    p.add_argument("--vocab", type=int, default=256206, help="dictionary size (source=target)")
-    p.add_argument("--world-size", type=int, default=2, help="ranks sharing the model")
-    p.add_argument("--max-tokens", type=int, default=4096, help="tokens per rank and step")
+    p.add_argument("--vocab", type=int, default=256206,
+                   help="dictionary size, source=target (default: %(default)s, NLLB's)")
+    p.add_argument("--world-size", type=int, default=2,
+                   help="ranks sharing the model (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=4096,
+                   help="tokens per rank and step (default: %(default)s)")
     p.add_argument("--tokens-per-sentence", type=int, default=64,
                    help="sentence length (attention memory grows with it)")
     precision = p.add_mutually_exclusive_group()
@@ -123,14 +131,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     """Flags, with defaults from ``--config`` where one is given."""
     p = parser()
     config = p.parse_known_args(argv)[0].config
+    from_config: dict[str, Any] = {}
     if config is not None:
         try:
             options = {a.dest: a.choices for a in p._actions
                        if a.dest not in ("help", "config", "json")}
-            p.set_defaults(**defaults_from_hydra_config(config, options))
+            from_config = defaults_from_hydra_config(config, options)
+            p.set_defaults(**from_config)
         except ValueError as error:
             raise EstimateError(f"--config {config}: {error}") from None
-    return p.parse_args(argv)
+    parsed = p.parse_args(argv)
+    given = {flag.split("=")[0] for flag in argv or () if flag.startswith("--")}
+    # the run's defining values that came from neither a flag nor the config
+    parsed.assumed = [f"--{name.replace('_', '-')} {getattr(parsed, name)}"
+                      for name in ASSUMED if f"--{name.replace('_', '-')}" not in given
+                      and name not in from_config]
+    return parsed
 
 
 def _check(options: argparse.Namespace) -> None:
@@ -354,6 +370,7 @@ def run(argv: list[str] | None = None, shape: ModelShape | None = None) -> dict[
     (a model already built), replaces the model ``argv`` describes."""
     options = parse(argv)
     _check(options)
+    from_command = shape is not None  # the values are the training command's
     if shape is None:
         shape = shape_from_fairseq(options)
     setup = setup_from(options)
@@ -365,6 +382,7 @@ def run(argv: list[str] | None = None, shape: ModelShape | None = None) -> dict[
         if gathered <= results["requested"].peak * 1.001:
             free_speedup = {"flag": "--keep-vocabulary-gathered", "peak_gib": gathered / GIB}
     return {
+        "assumed": [] if from_command else options.assumed,
         "model": asdict(shape), "setup": asdict(setup),
         "configurations": {name: est.gib() for name, est in results.items()},
         "host": host_report(shape, setup, options),
