@@ -329,6 +329,8 @@ def test_cli_prints_three_configurations_and_json(
     cli: dict[str, subprocess.CompletedProcess]
 ) -> None:
     assert cli["table"].returncode == 0, cli["table"].stderr[-3000:]
+    # the one value its command leaves to the defaults is named first
+    assert cli["table"].stdout.startswith("Assumed, as nothing gave them: --world-size 2 (")
     for label in ("unsharded (1 rank)", "stock policy (2 ranks)", "this run (2 ranks)",
                   "optimizer state", "activations", "temporaries", "peak", "Helps most:"):
         assert label in cli["table"].stdout
@@ -365,6 +367,7 @@ def test_a_training_command_is_estimated_as_the_trainer_describes_it(
     completed = cli["training command"]
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads(completed.stdout[completed.stdout.index("{\n"):])
+    assert report["assumed"] == []  # the training command gives everything
     flags = report["flags"]
     for expected in (["--world-size", "4"], ["--max-tokens", "512"], ["--bf16"],
                      ["--checkpoint-activations"], ["--keep-vocabulary-gathered"]):
@@ -417,6 +420,11 @@ def test_a_hydra_config_gives_the_same_estimate_as_its_flags(
                     "--loss-chunk-tokens", "1024", "--checkpoint-activations",
                     "--reduce-vocabulary-in-16-bit", "--keep-vocabulary-gathered"])
     from_config = run(["--config", config])
+    # what neither named is listed; the config names the max tokens
+    assert as_flags.pop("assumed") == ["--vocab 256206", "--world-size 2", "--max-tokens 4096"]
+    assert from_config.pop("assumed") == ["--vocab 256206", "--world-size 2"]
+    assert run([])["assumed"] == ["--arch nllb_dense_600m", "--vocab 256206", "--world-size 2",
+                                  "--max-tokens 4096"]
     for report in (as_flags, from_config):
         report.pop("_estimates")
     assert from_config == as_flags
