@@ -91,7 +91,8 @@ def launches(
 ) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """Every case's finished ``fairseq-train`` and its --save-dir, all run concurrently."""
     cases = dict(REFUSED, one_rank=ONE_RANK, fairscale_shards=[],
-                 nothing_to_write=NOTHING_TO_WRITE, typo=["--task", "sharded_translation", TYPO])
+                 nothing_to_write=NOTHING_TO_WRITE, typo=["--task", "sharded_translation", TYPO],
+                 too_long=["--task", "sharded_translation", "--max-tokens", "5"])
     save_dirs = {name: tmp_path_factory.mktemp("refused") / "save" for name in cases}
     save_dirs["fairscale_shards"].mkdir()
     (save_dirs["fairscale_shards"] / "checkpoint_last-shard0.pt").write_bytes(b"stock run")
@@ -117,6 +118,20 @@ def test_refused_before_training_with_the_flag_named(
     assert last_line.startswith("fairseq-shard-plugin: error: ") and names in last_line
     assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
     assert not save_dir.exists()
+
+
+def test_a_sentence_longer_than_the_batches_is_one_line(
+    launches: dict[str, tuple[subprocess.CompletedProcess, Path]],
+) -> None:
+    """fairseq's own assertion, 200 lines of traceback, as what to change."""
+    completed, _ = launches["too_long"]
+    assert completed.returncode != 0
+    assert completed.stderr.strip().splitlines()[-1] == (
+        "fairseq-shard-plugin: error: a sentence of the valid data is longer than the "
+        "batches' 5 tokens (fairseq: Sentences lengths should not exceed max_tokens=5): raise "
+        "--max-tokens (or --max-tokens-valid), or add --skip-invalid-size-inputs-valid-test "
+        "to skip such sentences in validation")
+    assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
 
 
 def test_a_mistyped_flag_is_one_line_naming_the_closest_option(

@@ -16,11 +16,33 @@ from __future__ import annotations
 
 from typing import Any
 
+from fairseq_shard_plugin.errors import ShardingConfigError
+
+# fairseq's assertion (its batch_by_size) when a sentence exceeds the batch's token budget
+_TOO_LONG = "Sentences lengths should not exceed max_tokens="
+
 
 class EpochIndependentBatches:
-    """Mixin for a ``FairseqTask``: see the module docstring."""
+    """Mixin for a ``FairseqTask``: see the module docstring. A sentence longer than the
+    token budget of a split that may not skip it (validation) is one line that says what
+    to change, not fairseq's assertion."""
 
     def get_batch_iterator(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._epoch_independent_iterator(dataset, *args, **kwargs)
+        except AssertionError as error:
+            if not str(error).startswith(_TOO_LONG):
+                raise
+            splits = [name for name, each in getattr(self, "datasets", {}).items()
+                      if each is dataset]
+            split = splits[0] if splits else "these"
+            raise ShardingConfigError(
+                f"a sentence of the {split} data is longer than the batches' "
+                f"{kwargs.get('max_tokens')} tokens (fairseq: {error}): raise --max-tokens "
+                "(or --max-tokens-valid), or add --skip-invalid-size-inputs-valid-test to "
+                "skip such sentences in validation") from None
+
+    def _epoch_independent_iterator(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
         epoch = kwargs.get("epoch", 1)  # fairseq passes it by keyword
         reused = (
             not kwargs.get("disable_iterator_cache", False)
