@@ -311,6 +311,21 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_saved_checkpoints(
         assert len(list((tmp_path / "checkpoint_shards").iterdir())) == 1
 
 
+def test_the_logged_size_of_a_sharded_checkpoint_is_what_is_written(crashes: dict) -> None:
+    """A tiny model's sharded checkpoint is mostly DCP's bytes per chunk (it was announced
+    at less than half of what was written)."""
+    line = next(line for line in crashes["after_save"].output.splitlines()
+                if "checkpoints of this run: about " in line)
+    assert "(model and optimizer state, --checkpoint-format sharded)" in line
+    value, unit = re.search(r"about ([0-9.]+) (KiB|MiB) each", line).groups()
+    announced = float(value) * {"KiB": 2**10, "MiB": 2**20}[unit]
+    save_dir = crashes["save_dir"]
+    index_file = save_dir / "checkpoint_1_10.pt"
+    shards = shard_directory(index_file, torch.load(index_file, weights_only=True))
+    written = index_file.stat().st_size + sum(p.stat().st_size for p in shards.iterdir())
+    assert abs(announced - written) / written < 0.15, (announced, written)
+
+
 def test_a_failed_first_save_does_not_promise_a_resume(tmp_path: Path) -> None:
     from fairseq_shard_plugin.checkpoint.errors import save_failure
 

@@ -459,7 +459,7 @@ class ShardedTrainer(Trainer):
             saved_as = checkpoint_format(self.cfg)
             line, too_little = space_report(
                 checkpoint.save_dir,
-                full_state_bytes(triples, self.shard_group_size, widened=saved_as == "full"),
+                full_state_bytes(triples, self.shard_group_size, saved_as),
                 saved_as)
         except OSError as error:  # a notice only: never a reason to stop training
             logger.info(f"free space of {checkpoint.save_dir} unknown: {error}")
