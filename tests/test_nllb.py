@@ -205,3 +205,44 @@ def test_a_checkpoint_trained_with_langs_file_stores_the_list(
                    "model": argparse.Namespace(langs=",".join(codes))}}
     upgraded = languages_as_lists(old)
     assert upgraded["cfg"]["task"]["langs"] == codes == upgraded["cfg"]["model"].langs
+    # the list numbers the language tokens: a resume in another order would silently read
+    # every language as another one
+    args[args.index("--langs") + 1] = ",".join(sorted(codes))
+    args[args.index("--max-update") + 1] = "4"
+    resumed = run_training(args + ["--disable-validation"], nproc=1, plugin=True, check=False)
+    assert resumed.returncode != 0
+    assert (f"fairseq-shard-plugin: error: {tmp_path / 'checkpoint_last.pt'}: the "
+            "checkpoint's language tokens are numbered by its training's --langs, and this "
+            "run's list differs (the same languages in another order): give --langs "
+            f"{','.join(codes)} (the training's langs file") in resumed.output
+
+
+def test_multilingual_inputs_that_fairseq_misreads_are_named(tmp_path: Path) -> None:
+    """Each ends in one line naming what to change: a pair that is not SRC-TGT (fairseq:
+    "not enough values to unpack"), a langs file that does not exist (fairseq takes its
+    path for a language code), dictionaries of different sizes (fairseq's bare assertion)."""
+    from fairseq_shard_plugin.tasks.multilingual_checks import (
+        check_lang_pairs,
+        check_langs_files,
+        dictionary_mismatch,
+        language_order_problem,
+    )
+    from fairseq_shard_plugin.tasks.multilingual_config import MultilingualOptionError
+
+    check_lang_pairs("eng_Latn-fra_Latn,fra_Latn-eng_Latn")
+    for bad in ("eng_Latn:fra_Latn", "eng_Latn-fra_Latn-deu_Latn",
+                "eng_Latn-fra_Latn, fra_Latn-eng_Latn", "eng_Latn-"):
+        with pytest.raises(MultilingualOptionError, match="is not SRC-TGT"):
+            check_lang_pairs(bad)
+    check_langs_files("eng_Latn,fra_Latn")
+    with pytest.raises(MultilingualOptionError, match="--langs moved/langs.txt: no such file"):
+        check_langs_files("moved/langs.txt")
+    (tmp_path / "dict.eng_Latn.txt").write_text("a 1\nb 1\n")
+    (tmp_path / "dict.fra_Latn.txt").write_text("a 1\n")
+    assert dictionary_mismatch(str(tmp_path), ["eng_Latn", "fra_Latn"]).startswith(
+        f"the languages' dictionaries in {tmp_path} differ (dict.eng_Latn.txt 2 lines, "
+        "dict.fra_Latn.txt 1 lines)")
+    assert language_order_problem(["a", "b"], ["a", "b"]) is None
+    assert language_order_problem("langs.txt", ["a", "b"]) is None  # written before lists
+    assert "(missing c; not in the checkpoint d)" in language_order_problem(["a", "c"],
+                                                                          ["a", "d"])

@@ -34,6 +34,7 @@ from fairseq_shard_plugin.checkpoint.stock_optimizer_state import (
 )
 from fairseq_shard_plugin.sharding.full_state import share_tied_tensors
 from fairseq_shard_plugin.sharding.options import checkpoint_format
+from fairseq_shard_plugin.tasks.multilingual_checks import language_order_problem
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,13 @@ def trainer_state_loader(
                 f"of those updates: to train from its weights, give --finetune-from-model "
                 f"{filename} (or --reset-optimizer); to resume, restore a training "
                 "checkpoint (fairseq-shard-verify --newest SAVE_DIR names one)")
+        cfg = state.get("cfg")
+        stored_task = cfg.get("task") if hasattr(cfg, "get") else None
+        problem = language_order_problem(
+            stored_task.get("langs") if hasattr(stored_task, "get") else None,
+            getattr(getattr(trainer, "task", None), "langs", None))
+        if problem:  # a multilingual checkpoint resumed or fine-tuned with other languages
+            raise CheckpointLoadError(f"{filename}: {problem}")
         if is_sharded_index(state):
             state = _load_shards(trainer, reset_optimizer, filename, state)
         elif not reset_optimizer:

@@ -18,6 +18,12 @@ from fairseq.tasks.translation_multi_simple_epoch import TranslationMultiSimpleE
 from omegaconf import DictConfig, open_dict
 
 from fairseq_shard_plugin.sharding.options import add_sharding_args
+from fairseq_shard_plugin.tasks.multilingual_checks import (
+    check_lang_pairs,
+    check_langs_files,
+    dictionary_mismatch,
+    language_order_problem,
+)
 from fairseq_shard_plugin.tasks.multilingual_config import (
     DATA_SOURCE_PREFIX_TAGS,
     TASK_NAME,
@@ -27,6 +33,7 @@ from fairseq_shard_plugin.tasks.multilingual_config import (
     fairseq_adds_prefix_tags,
     task_namespace,
 )
+from fairseq_shard_plugin.tasks.sharded_translation import check_data_directory
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +88,12 @@ class ShardedTranslationMultiSimpleEpochTask(TranslationMultiSimpleEpochTask):
 
     @classmethod
     def setup_task(cls, cfg: Any, **kwargs: Any) -> "ShardedTranslationMultiSimpleEpochTask":
-        namespace = read_language_files(task_namespace(cfg))
+        namespace = task_namespace(cfg)
+        check_langs_files(namespace.langs)
+        check_lang_pairs(namespace.lang_pairs)
+        if namespace.data:
+            check_data_directory(namespace.data)
+        namespace = read_language_files(namespace)
         if isinstance(namespace.langs, list) and isinstance(cfg, DictConfig):
             with open_dict(cfg):  # saved with the checkpoint: the list, as stock stores it
                 cfg.langs = list(namespace.langs)
@@ -89,6 +101,36 @@ class ShardedTranslationMultiSimpleEpochTask(TranslationMultiSimpleEpochTask):
             return super().setup_task(namespace, **kwargs)
         except ValueError as error:  # the parent's checks of its options, e.g. no --lang-pairs
             raise MultilingualOptionError(f"{TASK_NAME}: {error}") from error
+        except AssertionError as error:  # fairseq's spelling
+            if "Diffrent dictionary" not in str(error) and "Different dictionary" not in str(
+                    error):
+                raise
+            codes = sorted({code for pair in str(namespace.lang_pairs).split(",")
+                            for code in pair.split("-") if code})
+            raise MultilingualOptionError(dictionary_mismatch(namespace.data, codes)) from None
+
+    def build_model(self, cfg: Any, from_checkpoint: bool = False) -> Any:
+        """The model; one built from a checkpoint (generation) must have been trained with
+        this task's language order."""
+        if from_checkpoint:
+            problem = language_order_problem(getattr(cfg, "langs", None), self.langs)
+            if problem:
+                raise MultilingualOptionError(problem)
+        return super().build_model(cfg, from_checkpoint)
+
+    def load_dataset(self, split: str, epoch: int = 1, combine: bool = False,
+                     **kwargs: Any) -> Any:
+        try:
+            return super().load_dataset(split, epoch, combine, **kwargs)
+        except KeyError as error:  # fairseq's data manager, on a direction without files
+            key = error.args[0] if error.args else None
+            if not (isinstance(key, str) and ":" in key):
+                raise
+            direction = key.split(":", 1)[1]
+            raise MultilingualOptionError(
+                f"no {split} data for {direction} in {self.args.data} (its {split}.{direction}"
+                ".* files, or the reverse direction's): remove it from --lang-pairs, or "
+                "binarise it") from None
 
     def __init__(self, args: Any, langs: list[str], dicts: Any, training: bool) -> None:
         # The parent's setup_task has loaded each dictionary and appended the language

@@ -1,0 +1,92 @@
+"""Checks of the multilingual task's inputs, each a one-line error naming what to change where
+fairseq fails later, in a traceback, or not at all.
+
+The order of ``--langs`` numbers the language tokens (``__eng_Latn__`` and the rest are
+appended to the dictionary in that order): a checkpoint used with another order, or with
+the sorted list fairseq infers from the data when ``--langs`` is not given, reads every
+language token as another language, silently. :func:`language_order_problem` compares the
+list stored in a checkpoint with the current one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from fairseq_shard_plugin.tasks.multilingual_config import MultilingualOptionError
+
+
+def _items(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return value.split(",")
+    return [str(item) for item in value]
+
+
+def check_lang_pairs(lang_pairs: Any) -> None:
+    """Each ``--lang-pairs`` item is ``SRC-TGT``: two codes joined by one ``-``."""
+    for item in _items(lang_pairs):
+        parts = item.split("-")
+        if len(parts) != 2 or not all(parts) or item != item.strip() or " " in item:
+            raise MultilingualOptionError(
+                f"--lang-pairs: {item!r} is not SRC-TGT (give comma-separated pairs of "
+                "language codes joined by '-', without spaces, e.g. eng_Latn-fra_Latn,"
+                "fra_Latn-eng_Latn)")
+
+
+def check_langs_files(langs: Any) -> None:
+    """A ``--langs`` item that names a file (a path or a ``.txt`` name) must exist: fairseq
+    would take the missing file's name for a language code."""
+    for item in _items(langs):
+        item = item.strip()
+        if (os.sep in item or item.endswith(".txt")) and not os.path.isfile(item):
+            raise MultilingualOptionError(
+                f"--langs {item}: no such file; give the langs file the model was trained "
+                "with, or the languages as a comma-separated list")
+
+
+def language_order_problem(stored: Any, current: Sequence[str] | None) -> str | None:
+    """Why a checkpoint trained with languages ``stored`` (its ``cfg.task.langs``) must not
+    be used with ``current``, or None. Checkpoints that stored no list, or the file's path
+    (written before the list was stored), are not compared."""
+    if stored is None or isinstance(stored, str) or current is None:
+        return None
+    try:  # a list, or OmegaConf's ListConfig once fairseq has upgraded the state
+        stored = [str(code) for code in stored]
+    except TypeError:
+        return None
+    current = [str(code) for code in current]
+    if stored == current:
+        return None
+    shown = ",".join(stored)
+    if len(shown) > 200:
+        shown = f"{shown[:200]}... ({len(stored)} languages)"
+    if sorted(stored) == sorted(current):
+        difference = "the same languages in another order"
+    else:
+        missing = [code for code in stored if code not in current]
+        added = [code for code in current if code not in stored]
+        difference = "; ".join(part for part in (
+            f"missing {','.join(missing[:5])}" if missing else "",
+            f"not in the checkpoint {','.join(added[:5])}" if added else "") if part)
+    return (f"the checkpoint's language tokens are numbered by its training's --langs, and "
+            f"this run's list differs ({difference}): give --langs {shown} (the training's "
+            "langs file or list; without --langs fairseq sorts the languages it finds)")
+
+
+def dictionary_mismatch(data: str, langs: Sequence[str]) -> str:
+    """The dictionaries of ``langs`` in DATA's first directory, by size, for fairseq's
+    assertion that source languages have different dictionaries."""
+    first = data.split(os.pathsep)[0]
+    sizes = {}
+    for code in langs:
+        path = os.path.join(first, f"dict.{code}.txt")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as lines:
+                sizes[os.path.basename(path)] = sum(1 for _ in lines)
+    listed = ", ".join(f"{name} {count} lines" for name, count in sorted(sizes.items()))
+    return (f"the languages' dictionaries in {first} differ ({listed}): the multilingual "
+            "task needs one shared dictionary; binarise every language with the same "
+            "--srcdict/--tgtdict (or --joined-dictionary)")
