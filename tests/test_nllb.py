@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from argparse import Namespace
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from fairseq_shard_plugin.tasks.multilingual_config import (
     task_options,
     task_parser,
 )
-from launching.harness import REPO, run_training
+from launching.harness import REPO, run_command, run_training
 
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
 
@@ -215,6 +216,20 @@ def test_a_checkpoint_trained_with_langs_file_stores_the_list(
             "checkpoint's language tokens are numbered by its training's --langs, and this "
             "run's list differs (the same languages in another order): give --langs "
             f"{','.join(codes)} (the training's langs file") in resumed.output
+    # its export loads in stock fairseq's from_pretrained, in a process without the plugin
+    # (the task is registered without a dataclass: fairseq finds it by cfg.task.task)
+    from fairseq_shard_plugin.checkpoint.consolidate import export_consolidated
+
+    export_consolidated(tmp_path / "checkpoint_last.pt", tmp_path / "export" / "model.pt")
+    loaded = run_command([sys.executable, "-c", (
+        "import sys; from fairseq.models.transformer import TransformerModel; "
+        f"hub = TransformerModel.from_pretrained({str(tmp_path / 'export')!r}, "
+        f"checkpoint_file='model.pt', data_name_or_path={str(multilingual)!r}); "
+        "print(type(hub.task).__name__, ','.join(hub.task.langs), "
+        "'fairseq_shard_plugin' in sys.modules)")])
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.split()[-3:] == ["TranslationMultiSimpleEpochTask", ",".join(codes),
+                                         "False"]
 
 
 def test_multilingual_inputs_that_fairseq_misreads_are_named(tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ inference export into plain containers and stock names, so that any fairseq, and
 - ``sharded_translation`` becomes ``translation``, the sharded multilingual task
   ``translation_multi_simple_epoch``, the chunked criterion ``label_smoothed_cross_entropy``,
   the NLLB architecture names ``transformer`` (the config holds every value they set), and
-  the plugin's own options and ``common.user_dir`` are dropped;
+  the plugin's own options and ``common.user_dir`` are dropped; a task registered without
+  a dataclass (the multilingual one) is also named under ``task``, where fairseq's
+  ``setup_task`` looks for such tasks (``from_pretrained`` builds the task from it);
 - the saved metrics (training meters, with numpy arrays under ``--eval-bleu``) are dropped:
   inference needs none of them;
 - ``langs`` is the list of codes, not the ``--langs`` file's path
@@ -39,6 +41,9 @@ from fairseq_shard_plugin.sharding.options import ShardingConfig
 STOCK_TASKS = {"sharded_translation": "translation",
                "sharded_translation_multi_simple_epoch": "translation_multi_simple_epoch"}
 STOCK_CRITERIA = {"chunked_label_smoothed_cross_entropy": "label_smoothed_cross_entropy"}
+# stock tasks registered without a dataclass: fairseq's setup_task finds them from a config
+# only by its "task" key (``from_pretrained`` builds the task from the checkpoint's config)
+ARGPARSE_TASKS = frozenset({"translation_multi_simple_epoch"})
 # architectures the plugin registers (tasks.nllb_architectures): transformers by stock name
 PLUGIN_ARCHITECTURES = ("nllb_dense_600m", "nllb_dense_1_3b", "nllb_dense_3_3b",
                         "transformer_12_12", "transformer_24_24", "transformer_24_24_big")
@@ -146,6 +151,8 @@ def portable_state(state: dict[str, Any]) -> dict[str, Any]:
         state["args"] = None  # fairseq reads the config from cfg when it is there
         architectures = dict.fromkeys(PLUGIN_ARCHITECTURES, "transformer")
         cfg["task"] = _stock_names(cfg.get("task"), STOCK_TASKS, "_name")
+        if isinstance(cfg["task"], dict) and cfg["task"].get("_name") in ARGPARSE_TASKS:
+            cfg["task"]["task"] = cfg["task"]["_name"]
         cfg["criterion"] = _stock_names(cfg.get("criterion"), STOCK_CRITERIA, "_name")
         cfg["model"] = _stock_names(cfg.get("model"), {**architectures, **STOCK_TASKS,
                                                        **STOCK_CRITERIA},
