@@ -125,3 +125,27 @@ def test_a_damaged_source_is_named_with_advice_for_an_export_not_a_resume(
     assert "fails its CRC-32 check" in message, message
     assert message.endswith("export an intact checkpoint instead (fairseq-shard-verify "
                             "SAVE_DIR lists them)") and "--restore-file" not in message
+
+
+def test_an_export_of_a_model_with_data_source_tags_says_how_to_generate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Stock fairseq 0.12 cannot build its dictionary (3 rows short): the export says so."""
+    source = _training_checkpoint(tmp_path / "checkpoint_1_4.pt", 4)
+    state = torch.load(source, weights_only=True)
+    state["cfg"]["task"] = {"_name": "sharded_translation_multi_simple_epoch",
+                            "add_data_source_prefix_tags": True}
+    torch.save(state, source)
+    with caplog.at_level("WARNING"):
+        consolidate.export_consolidated(source, tmp_path / "model.pt")
+    assert [record.getMessage() for record in caplog.records] == [
+        "this model was trained with --add-data-source-prefix-tags: its dictionary has 3 more "
+        "rows than stock fairseq 0.12 builds, so generate with the plugin (--user-dir "
+        "fairseq_shard_plugin --task sharded_translation_multi_simple_epoch "
+        "--add-data-source-prefix-tags) or with fairseq's nllb branch"]
+    state["cfg"]["task"]["add_data_source_prefix_tags"] = False  # none without the tags
+    torch.save(state, source)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        consolidate.export_consolidated(source, tmp_path / "plain.pt")
+    assert caplog.records == []

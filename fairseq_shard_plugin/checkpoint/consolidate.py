@@ -17,6 +17,7 @@ optimizer state included, for code that needs all of it.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -66,6 +67,8 @@ from fairseq_shard_plugin.checkpoint.streaming_writer import (
     write_checkpoint,
 )
 from fairseq_shard_plugin.errors import ShardPluginError
+
+logger = logging.getLogger(__name__)
 
 # what an inference checkpoint leaves out of a training checkpoint
 _DROPPED = ("last_optimizer_state", SHARDED_KEY)
@@ -187,6 +190,20 @@ def _legacy_inference_state(path: Path, dtype: torch.dtype | None) -> dict[str, 
     return exported
 
 
+def stock_fairseq_notes(exported: dict[str, Any]) -> list[str]:
+    """What stock fairseq needs told to use the export ``exported``: a model trained with
+    the nllb branch's data-source tags has 3 dictionary rows that stock fairseq 0.12 does
+    not add (its generate fails on the embedding's shape)."""
+    cfg = exported.get("cfg")
+    task = cfg.get("task") if isinstance(cfg, dict) else None
+    if isinstance(task, dict) and task.get("add_data_source_prefix_tags"):
+        return ["this model was trained with --add-data-source-prefix-tags: its dictionary "
+                "has 3 more rows than stock fairseq 0.12 builds, so generate with the plugin "
+                "(--user-dir fairseq_shard_plugin --task sharded_translation_multi_simple_"
+                "epoch --add-data-source-prefix-tags) or with fairseq's nllb branch"]
+    return []
+
+
 def holds_training_state(path: Path) -> bool:
     """Whether the readable checkpoint at ``path`` is one to resume from (optimizer state,
     or a sharded index); False for anything else, unreadable files included."""
@@ -270,6 +287,8 @@ def export_consolidated(
         except (ShardedCheckpointError, StoredTensorError) as error:
             raise ConsolidateError(str(error)) from error
     exported = portable_state(exported)
+    for note in stock_fairseq_notes(exported):
+        logger.warning(note)
     destination = Path(destination)
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
