@@ -216,3 +216,21 @@ def test_the_checkpoint_size_in_the_log_is_what_is_written(
     announced = float(value) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
     written = (run.save_dir / "checkpoint_last.pt").stat().st_size  # type: ignore[attr-defined]
     assert abs(announced - written) / written < 0.10, (announced, written)
+
+
+def test_an_fp16_resume_keeps_the_loss_scalers_schedule(corpus: Path, tmp_path: Path) -> None:
+    """fairseq saves the loss scale only: the counters that decide when it next doubles
+    (a window of updates without overflow) restarted at the resume, so the scale, and
+    from the first overflow on the updates themselves, differed from the run never stopped."""
+    def train(save_dir: Path, *extra: str) -> RunResult:
+        args = training_args(corpus, save_dir, 12) + TINY + [
+            "--task", "sharded_translation", "--fp16", "--fp16-scale-window", "4",
+            "--save-interval-updates", "6", *extra]
+        return run_training(args, nproc=2, plugin=True)
+
+    uninterrupted = train(tmp_path / "whole")
+    (restore,) = (tmp_path / "whole").glob("checkpoint_*_6.pt")
+    resumed = train(tmp_path / "resumed", "--restore-file", str(restore))
+    for key in ("loss_scale", "loss", "gnorm"):
+        assert resumed.series("train_inner", key) == uninterrupted.series("train_inner",
+                                                                           key)[6:], key

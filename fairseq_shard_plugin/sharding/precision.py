@@ -55,6 +55,14 @@ def cast_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
                 setattr(submodule, name, buffer.to(dtype))
 
 
+# fairseq saves only the loss scale of its DynamicLossScaler; when the scale next grows or
+# shrinks depends on these counters too (steps since the last overflow and rescale), so a
+# resume that restarts them from zero changes the run from the next window on
+SCALER_COUNTERS = ("_iter", "_last_overflow_iter", "_last_rescale_iter",
+                   "_overflows_since_rescale")
+SCALER_COUNTERS_KEY = "loss_scaler_counters"
+
+
 def fp16_loss_scaler(cfg: Any) -> DynamicLossScaler:
     """fairseq's dynamic loss scaler, configured from the same flags as its fp16 optimizers."""
     common = cfg.common
@@ -127,13 +135,20 @@ class ShardedMasterOptimizer(FairseqOptimizer):
             state = self.shards.sharded_state(state, self.optimizer)
         if self.scaler is not None:
             state["loss_scale"] = self.scaler.loss_scale
+            state[SCALER_COUNTERS_KEY] = {name: getattr(self.scaler, name)
+                                          for name in SCALER_COUNTERS}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any], optimizer_overrides: Any = None) -> None:
         state_dict = dict(state_dict)
         loss_scale = state_dict.pop("loss_scale", None)
+        counters = state_dict.pop(SCALER_COUNTERS_KEY, None)
         if loss_scale is not None and self.scaler is not None:
             self.scaler.loss_scale = loss_scale
+        if isinstance(counters, dict) and self.scaler is not None:
+            for name in SCALER_COUNTERS:
+                if name in counters:
+                    setattr(self.scaler, name, int(counters[name]))
         if self.shards is not None:
             state_dict = self.shards.local_state(state_dict, self.optimizer)
         if not isinstance(self.optimizer, ShardedAdam):  # moments of a --fp16-adam-stats run
