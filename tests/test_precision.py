@@ -223,14 +223,14 @@ def test_an_fp16_resume_keeps_the_loss_scalers_schedule(corpus: Path, tmp_path: 
     (a window of updates without overflow) restarted at the resume, so the scale, and
     from the first overflow on the updates themselves, differed from the run never stopped."""
     def train(save_dir: Path, *extra: str) -> RunResult:
-        args = training_args(corpus, save_dir, 12) + TINY + [
-            "--task", "sharded_translation", "--fp16", "--fp16-scale-window", "4",
-            "--save-interval-updates", "6", *extra]
+        args = training_args(corpus, save_dir, 8) + TINY + [
+            "--task", "sharded_translation", "--fp16", "--fp16-scale-window", "3",
+            "--save-interval-updates", "4", *extra]
         return run_training(args, nproc=2, plugin=True)
 
     uninterrupted = train(tmp_path / "whole")
-    (restore,) = (tmp_path / "whole").glob("checkpoint_*_6.pt")
+    (restore,) = (tmp_path / "whole").glob("checkpoint_*_4.pt")
     resumed = train(tmp_path / "resumed", "--restore-file", str(restore))
     for key in ("loss_scale", "loss", "gnorm"):
         assert resumed.series("train_inner", key) == uninterrupted.series("train_inner",
-                                                                           key)[6:], key
+                                                                           key)[4:], key
