@@ -14,6 +14,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from fairseq import utils
+from fairseq.file_io import PathManager
+
 from fairseq_shard_plugin.tasks.multilingual_config import MultilingualOptionError
 
 
@@ -38,10 +41,11 @@ def check_lang_pairs(lang_pairs: Any) -> None:
 
 def check_langs_files(langs: Any) -> None:
     """A ``--langs`` item that names a file (a path or a ``.txt`` name) must exist: fairseq
-    would take the missing file's name for a language code."""
+    would take the missing file's name for a language code. Files are tested as
+    ``read_language_files`` reads them (fairseq's ``PathManager``)."""
     for item in _items(langs):
         item = item.strip()
-        if (os.sep in item or item.endswith(".txt")) and not os.path.isfile(item):
+        if (os.sep in item or item.endswith(".txt")) and not PathManager.isfile(item):
             raise MultilingualOptionError(
                 f"--langs {item}: no such file; give the langs file the model was trained "
                 "with, or the languages as a comma-separated list")
@@ -79,7 +83,7 @@ def language_order_problem(stored: Any, current: Sequence[str] | None) -> str | 
 def dictionary_mismatch(data: str, langs: Sequence[str]) -> str:
     """The dictionaries of ``langs`` in DATA's first directory, by size, for fairseq's
     assertion that source languages have different dictionaries."""
-    first = data.split(os.pathsep)[0]
+    first = utils.split_paths(data)[0]
     sizes = {}
     for code in langs:
         path = os.path.join(first, f"dict.{code}.txt")
