@@ -79,19 +79,33 @@ def _stock_names(section: dict[str, Any] | None, names: dict[str, str],
     return section
 
 
+def _config_section(state: Any, key: str) -> Any:
+    """``cfg.<key>`` of a saved state (dicts) or a loaded one (omegaconf), or None."""
+    cfg = state.get("cfg") if isinstance(state, dict) else None
+    if cfg is None:
+        return None
+    return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
+
+
+def _languages_of(section: Any) -> Any:
+    return section.get("langs") if isinstance(section, dict) else getattr(section, "langs", None)
+
+
+def stored_languages(state: Any) -> Any:
+    """The checkpoint's ``cfg.task.langs`` as stored (a list, a ListConfig, or the path
+    earlier versions stored), or None."""
+    return _languages_of(_config_section(state, "task"))
+
+
 def languages_as_lists(state: Any) -> Any:
     """A checkpoint's ``cfg.task.langs`` and ``cfg.model.langs`` as lists of codes, as stock
     fairseq stores them, where they hold a ``--langs`` file's path or a comma-separated
     string (earlier versions of the plugin stored the path): the nllb branch's loader
     compares the lists and refuses a string. A path to a file that is gone stays as it is.
     Works on a saved state (dicts and a Namespace) and on a loaded one (omegaconf)."""
-    cfg = state.get("cfg") if isinstance(state, dict) else None
-    if cfg is None:
-        return state
     for key in ("task", "model"):
-        section = cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
-        langs = (section.get("langs") if isinstance(section, dict)
-                 else getattr(section, "langs", None))
+        section = _config_section(state, key)
+        langs = _languages_of(section)
         is_file = isinstance(langs, str) and os.path.isfile(langs)
         if not is_file and not (isinstance(langs, str) and "," in langs):
             continue

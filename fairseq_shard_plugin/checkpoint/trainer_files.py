@@ -14,6 +14,7 @@ from fairseq import utils
 from fairseq_shard_plugin.checkpoint.atomic_files import remove_partial_files, write_atomically
 from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError, describe_shape_mismatch
 from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
+from fairseq_shard_plugin.checkpoint.portable import stored_languages
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.sharded import (
     SHARDED_KEY,
@@ -133,11 +134,8 @@ def trainer_state_loader(
                 f"of those updates: to train from its weights, give --finetune-from-model "
                 f"{filename} (or --reset-optimizer); to resume, restore a training "
                 "checkpoint (fairseq-shard-verify --newest SAVE_DIR names one)")
-        cfg = state.get("cfg")
-        stored_task = cfg.get("task") if hasattr(cfg, "get") else None
         problem = language_order_problem(
-            stored_task.get("langs") if hasattr(stored_task, "get") else None,
-            getattr(getattr(trainer, "task", None), "langs", None))
+            stored_languages(state), getattr(getattr(trainer, "task", None), "langs", None))
         if problem:  # a multilingual checkpoint resumed or fine-tuned with other languages
             raise CheckpointLoadError(f"{filename}: {problem}")
         if is_sharded_index(state):
