@@ -238,9 +238,7 @@ def start_ranks(
     its workers (``TORCHRUN_VARIABLES``), but without torchrun's agent process, whose own
     start-up (it imports torch before starting any rank) would add seconds to every test
     launch. The commands documented for users run under torchrun itself in test_hydra,
-    test_sharded_training (the sharding inspection), test_checkpoints (the crash helper),
-    test_precision (overflow and reload helpers) and test_hybrid_offload (two torchrun
-    "nodes").
+    test_checkpoints (the crash helper) and test_hybrid_offload (two torchrun "nodes").
 
     Returns the first failing exit code (or 0) and the ranks' outputs, rank 0 first.
     """
@@ -255,6 +253,18 @@ def start_ranks(
     ]
     codes, texts = wait_for_ranks(ranks, outputs, timeout, watch=watch)
     return next((code for code in codes if code), 0), "".join(texts)
+
+
+def run_helper(script: Path, *args: str, nproc: int = 2,
+               environment: dict[str, str] | None = None, timeout: float = 300) -> str:
+    """Run a helper script of the tests as ``nproc`` ranks (:func:`start_ranks`); the ranks'
+    output, after checking that every rank succeeded."""
+    env = {**rank_environment(), **(environment or {})}
+    code, output = start_ranks([sys.executable, str(script), *args], nproc, env,
+                               timeout=timeout)
+    if code != 0:
+        raise RuntimeError(f"{script.name} failed ({code}):\n{output[-6000:]}")
+    return output
 
 
 def run_like_srun(command: list[str], ranks: int, cwd: Path = REPO) -> list[str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,8 @@ from fairseq_shard_plugin.training.validation import ShardingConfigError, check_
 from launching.harness import (
     PLUGIN_DIR,
     REPO,
-    free_port,
     run_command,
+    run_helper,
     run_training,
     tool,
     training_args,
@@ -46,13 +45,10 @@ NO_CUDA = "--shard-engine fairscale trains only on CUDA (fairscale FSDP uses CUD
 @pytest.fixture(scope="module")
 def reports(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("fairscale_structure")
-    command = [tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-               str(REPO / "tests" / "helpers" / "inspect_fairscale.py"), str(out),
+    run_helper(REPO / "tests" / "helpers" / "inspect_fairscale.py", str(out),
                json.dumps(VARIANTS), str(corpus), *TINY, "--task", "sharded_translation",
                "--shard-engine", "fairscale", "--optimizer", "adam", "--lr", "1e-3",
-               "--cpu", "--ddp-backend", "fully_sharded"]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-4000:]
+               "--cpu", "--ddp-backend", "fully_sharded")
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 

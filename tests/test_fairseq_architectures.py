@@ -12,10 +12,8 @@ checkpoint. Models are tiny: a case costs mostly process start-up.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +26,10 @@ from launching.harness import (
     PLUGIN_DIR,
     REPO,
     RunResult,
-    free_port,
     in_threads,
     result_of,
     run_command,
+    run_helper,
     run_training,
     tool,
 )
@@ -210,12 +208,8 @@ def test_resume_from_an_interval_checkpoint_matches_the_uninterrupted_run(
 
 
 def load_any_shape(ranks: int, work: Path) -> dict:
-    command = [tool("torchrun"), "--nproc_per_node", str(ranks), "--master_port",
-               str(free_port()), str(REPO / "tests" / "helpers" / "load_any_shape.py"),
-               str(work / "report.json"), str(work)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_helper(REPO / "tests" / "helpers" / "load_any_shape.py", str(work / "report.json"),
+               str(work), nproc=ranks)
     return json.loads((work / "report.json").read_text())
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,12 +24,11 @@ from launching.harness import (
     PLUGIN_DIR,
     REPO,
     RunResult,
-    free_port,
     in_threads,
     result_of,
+    run_helper,
     run_training,
     start_ranks,
-    tool,
     training_args,
 )
 
@@ -107,20 +105,14 @@ def test_fp16_logs_its_loss_scale(runs: dict[str, RunResult]) -> None:
     assert "loss_scale" not in runs["bf16"].logs["train_inner"][-1]
 
 
-def torchrun(script: str, *args: str, env: dict[str, str] | None = None) -> None:
-    command = [tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-               str(HELPERS / script), *args]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                               env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
-    assert completed.returncode == 0, completed.stderr[-4000:]
 
 
 def test_overflow_on_one_rank_skips_the_step_on_all(corpus: Path, tmp_path: Path) -> None:
     report_path = tmp_path / "overflow.json"
     args = training_args(corpus, tmp_path, 8) + TINY + [
         "--fp16", "--no-save", "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded"]
-    torchrun("train_with_overflow.py", *args,
-             env={"INJECT_UPDATE": "3", "REPORT": str(report_path)})
+    run_helper(HELPERS / "train_with_overflow.py", *args,
+               environment={"INJECT_UPDATE": "3", "REPORT": str(report_path)})
     report = json.loads(report_path.read_text())
     assert report["params_identical"] and report["optimizer_identical"]
     assert report["scale_after"] == report["scale_before"] / 2
@@ -133,10 +125,10 @@ def test_fp16_checkpoint_holds_fp32_masters_that_reload_exactly(
 ) -> None:
     checkpoint = runs["fp16"].save_dir / "checkpoint_last.pt"  # type: ignore[attr-defined]
     report_path = tmp_path / "reload.json"
-    torchrun("reload_masters.py", str(checkpoint), str(report_path), str(corpus), *TINY,
-             "--fp16", "--cpu", "--task", "translation", "--optimizer", "adam", "--lr", "1e-3",
-             "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-             "--ddp-backend", "fully_sharded")
+    run_helper(HELPERS / "reload_masters.py", str(checkpoint), str(report_path), str(corpus),
+               *TINY, "--fp16", "--cpu", "--task", "translation", "--optimizer", "adam",
+               "--lr", "1e-3", "--criterion", "label_smoothed_cross_entropy",
+               "--label-smoothing", "0.1", "--ddp-backend", "fully_sharded")
     report = json.loads(report_path.read_text())
     assert report["saved_dtypes"] == report["master_dtypes"] == ["torch.float32"]
     assert report["masters_equal"] and report["optimizer_equal"]

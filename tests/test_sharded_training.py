@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +15,10 @@ from launching.harness import (
     PLUGIN_DIR,
     REPO,
     RunResult,
-    free_port,
     in_threads,
     result_of,
     run_command,
+    run_helper,
     run_training,
     tool,
     training_args,
@@ -39,13 +38,10 @@ def first(run: RunResult, key: str) -> list[float]:
 
 
 def test_each_layer_is_a_unit_and_each_rank_holds_its_slice(corpus: Path, tmp_path: Path) -> None:
-    command = [tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-               str(REPO / "tests" / "helpers" / "inspect_sharding.py"), str(tmp_path), str(corpus),
+    run_helper(REPO / "tests" / "helpers" / "inspect_sharding.py", str(tmp_path), str(corpus),
                *TINY, "--task", "sharded_translation", "--optimizer", "adam", "--lr", "1e-3",
                "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-               "--cpu", "--ddp-backend", "fully_sharded"]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-4000:]
+               "--cpu", "--ddp-backend", "fully_sharded")
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(report["layers"]) == 4
