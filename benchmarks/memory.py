@@ -99,6 +99,9 @@ OPTIONAL_CONFIGURATIONS = (
                   ("--criterion", "cross_entropy")),
     Configuration("plugin+zero2", "+ --no-reshard-after-forward: every unit gathered from "
                   "its forward to its backward", None, (*STOCK_LOSS, "--no-reshard-after-forward")),
+    Configuration("plugin+chunked-loss+ac+2-layers-per-unit", "chunked loss, activation "
+                  "checkpointing and --layers-per-unit 2: two layers gathered per unit", None,
+                  (*CHUNKED_LOSS, "--checkpoint-activations", "--layers-per-unit", "2")),
     Configuration("plugin+chunked-loss+ac+zero2", "chunked loss, activation checkpointing and "
                   "--no-reshard-after-forward", None,
                   (*CHUNKED_LOSS, "--checkpoint-activations", "--no-reshard-after-forward")),

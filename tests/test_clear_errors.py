@@ -63,6 +63,8 @@ CHECKED = {
     "--loss-chunk-tokens 0: give at least 1": [
         "--task", "sharded_translation", "--criterion", "chunked_label_smoothed_cross_entropy",
         "--loss-chunk-tokens", "0"],
+    "--layers-per-unit 0: give 1 (every layer its own unit) or more": [
+        "--task", "sharded_translation", "--layers-per-unit", "0"],
     "--update-freq 1,2 is a schedule: give --fp16-scale-window N": [
         "--fp16", "--update-freq", "1,2"],
     f"--export-consolidated {Path(__file__) / 'model.pt'}: {Path(__file__)} is not a "
@@ -181,7 +183,8 @@ def test_plugin_options_without_effect_in_the_run_are_named(
     from fairseq_shard_plugin.training.trainer import _log_flags_taken_over
 
     cfg = sharded_config(corpus, "--cpu", "--task", "sharded_translation", "--optimizer",
-                         "adam", "--reduce-in-16-bit", "--shard-group-size", "3")
+                         "adam", "--reduce-in-16-bit", "--shard-group-size", "3",
+                         "--root-unit-only", "--layers-per-unit", "2")
     with caplog.at_level(logging.WARNING):
         _log_flags_taken_over(cfg, ShardingSettings.from_config(cfg, 1, False))
     assert [record.getMessage() for record in caplog.records
@@ -189,7 +192,9 @@ def test_plugin_options_without_effect_in_the_run_are_named(
         "--reduce-in-16-bit has no effect in an fp32 run (its gradients are fp32): add --fp16 "
         "or --bf16, or remove it",
         "--shard-group-size 3 has no effect without --shard-strategy hybrid: this run shards "
-        "fully over all its ranks"]
+        "fully over all its ranks",
+        "--layers-per-unit 2 has no effect with --root-unit-only (there are no layer units): "
+        "remove one of them"]
 
 
 def test_use_sharded_state_is_taken_as_the_sharded_format(corpus: Path) -> None:

@@ -252,6 +252,9 @@ SMALL_MEASURED = {  # benchmarks/memory.py configuration: the estimator's flags 
         ["--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
          "--loss-chunk-tokens", "16"],
     "plugin+zero2": ["--no-reshard-after-forward"],  # every layer gathered at the loss
+    "plugin+chunked-loss+ac+2-layers-per-unit":  # two units of two layers each gathered
+        ["--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
+         "--loss-chunk-tokens", "16", "--layers-per-unit", "2"],
     "plugin+chunked-loss+ac+zero2":  # every layer gathered at the first layer's backward
         ["--criterion", "chunked_label_smoothed_cross_entropy", "--checkpoint-activations",
          "--loss-chunk-tokens", "16", "--no-reshard-after-forward"],
@@ -293,6 +296,25 @@ def test_estimate_matches_a_small_measured_step(
     assert abs(estimated - measured) / measured < 0.10, (estimated, measured)
 
 
+@pytest.mark.e2e
+def test_layers_per_unit_adds_at_most_what_the_estimate_adds(
+    small_measurements: dict[str, float]
+) -> None:
+    """Two layers per unit: the measured peak grows by the extra gathered layers, which the
+    estimate counts as two units of the larger stack's layers (an upper bound: at the
+    stacks' boundary the second unit is the encoder's smaller one)."""
+    without, grouped = (small_measurements[name] for name in (
+        "plugin+chunked-loss+ac", "plugin+chunked-loss+ac+2-layers-per-unit"))
+    flags = [*TINY, "--attention-dropout", "0.1", "--vocab", "8000", "--max-tokens", "512",
+             "--world-size", "2", "--bf16",
+             *SMALL_MEASURED["plugin+chunked-loss+ac+2-layers-per-unit"]]
+    estimated = [run(flags[:-2] + extra)["configurations"]["requested"]["peak_gib"]
+                 for extra in ([], ["--layers-per-unit", "2"])]
+    measured_extra, estimated_extra = grouped - without, estimated[1] - estimated[0]
+    assert 0 < measured_extra <= estimated_extra < 2 * measured_extra, (
+        measured_extra, estimated_extra)
+
+
 @pytest.fixture(scope="module")
 def cli(
     corpus: Path, tmp_path_factory: pytest.TempPathFactory
@@ -303,7 +325,8 @@ def cli(
     training = [str(corpus), *TINY_TRAINING, "--task", "sharded_translation", "--user-dir",
                 str(PLUGIN_DIR), "--ddp-backend", "fully_sharded", "--optimizer", "adam",
                 "--criterion", "label_smoothed_cross_entropy", "--max-tokens", "512", "--bf16",
-                "--checkpoint-activations", "--keep-vocabulary-gathered"]
+                "--checkpoint-activations", "--keep-vocabulary-gathered",
+                "--layers-per-unit", "2"]
     # the plugin as `pip install .` leaves it: imported from elsewhere than the --user-dir
     installed = tmp_path_factory.mktemp("site")
     shutil.copytree(PLUGIN_DIR, installed / PLUGIN_DIR.name,
@@ -370,7 +393,8 @@ def test_a_training_command_is_estimated_as_the_trainer_describes_it(
     assert report["assumed"] == []  # the training command gives everything
     flags = report["flags"]
     for expected in (["--world-size", "4"], ["--max-tokens", "512"], ["--bf16"],
-                     ["--checkpoint-activations"], ["--keep-vocabulary-gathered"]):
+                     ["--checkpoint-activations"], ["--keep-vocabulary-gathered"],
+                     ["--layers-per-unit", "2"]):
         at = flags.index(expected[0])
         assert flags[at:at + len(expected)] == expected
     assert flags.count("--world-size") == 1

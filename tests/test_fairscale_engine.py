@@ -138,6 +138,7 @@ def test_sharded_step_matches_the_unsharded_model(
     (["--criterion", "chunked_label_smoothed_cross_entropy"],
      "--criterion chunked_label_smoothed_cross_entropy is not supported"),
     (["--eval-bleu"], "--eval-bleu (generation in validation) is not supported"),
+    (["--layers-per-unit", "2"], "--layers-per-unit above 1 is not supported"),
     (["--cpu"], "--shard-engine fairscale needs CUDA (fairscale FSDP runs on CUDA streams) and "
                 "--cpu was given: use --shard-engine fsdp2"),
 ])

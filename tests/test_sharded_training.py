@@ -228,6 +228,26 @@ def test_no_reshard_after_forward_keeps_units_gathered_and_trains_the_same(
     assert all(torch.equal(saved[name], expected[name]) for name in saved)
 
 
+def test_layers_per_unit_shards_layers_together_and_trains_the_same(
+    corpus: Path, tmp_path: Path, sharded_tiny_run: tuple[RunResult, Path]
+) -> None:
+    """--layers-per-unit 2: each stack's two layers form one unit, sharded together as
+    fairseq builds them; the same losses, norms and saved model as one unit per layer."""
+    args = training_args(corpus, tmp_path, UPDATES) + TINY + [
+        "--task", "sharded_translation", "--layers-per-unit", "2"]
+    run = run_training(args, nproc=2, plugin=True)
+    reference, reference_dir = sharded_tiny_run
+    for key in ("loss", "gnorm"):
+        assert run.series("train_inner", key) == first(reference, key)
+    assert re.search(r"2 layer units \(encoder\.layers\.0-1 \.\.\. decoder\.layers\.0-1\)"
+                     r".*\(2 layer units sharded as fairseq built them\)", run.output), (
+        run.output[-3000:])
+    saved, expected = (torch.load(d / "checkpoint1.pt", weights_only=True)["model"]
+                       for d in (tmp_path, reference_dir))
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[name], expected[name]) for name in saved)
+
+
 def error_line(run: RunResult) -> str:
     lines = [line for line in run.output.splitlines()
              if line.startswith("fairseq-shard-plugin: error: ")]

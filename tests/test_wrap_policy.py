@@ -103,6 +103,32 @@ def test_every_layer_is_a_unit_whatever_min_params_to_wrap_says(corpus: Path) ->
     assert all(unit.reshard_after_forward for unit in plan.units)
 
 
+def test_layers_per_unit_groups_consecutive_layers_of_one_stack(corpus: Path) -> None:
+    """2 encoder and 3 decoder layers, 2 per unit: a stack's rest is a unit of its own, and
+    no unit spans the encoder and the decoder."""
+    model = build_model(corpus, "translation", "transformer", [*SMALL, "--share-all-embeddings"])
+    plan = build_plan(model, layers_per_unit=2)
+    assert [unit.name for unit in plan.units] == [
+        "encoder.layers.0-1", "decoder.layers.0-1", "decoder.layers.2",
+        "encoder.embed_tokens+decoder.output_projection"]
+    decoder = list(model.decoder.layers)
+    assert [unit.modules for unit in plan.units[1:3]] == [tuple(decoder[:2]), (decoder[2],)]
+    assert [u.name for u in build_plan(model, layers_per_unit=8).units][:2] == [
+        "encoder.layers.0-1", "decoder.layers.0-2"]
+    assert build_plan(model, layers_per_unit=1).units == build_plan(model).units
+
+
+def test_layers_per_unit_groups_the_blocks_of_other_architectures(corpus: Path) -> None:
+    model = build_model(corpus, "translation", "fconv_iwslt_de_en", [
+        "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+        "--decoder-out-embed-dim", "32", "--encoder-layers", "[(32, 3)] * 3",
+        "--decoder-layers", "[(32, 3)] * 2"])
+    names = [unit.name for unit in build_plan(model, layers_per_unit=2).units]
+    assert names[:2] == ["encoder.convolutions.0-1", "encoder.convolutions.2"], names
+    assert all(len(u.modules) <= 2 for u in build_plan(model, layers_per_unit=2).units
+               if not u.vocabulary)
+
+
 def test_root_reshards_unless_asked_to_keep_it_gathered(corpus: Path) -> None:
     model = build_model(corpus, "translation", "bart_base", SMALL)
     assert build_plan(model).root.reshard_after_forward

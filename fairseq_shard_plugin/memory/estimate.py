@@ -106,6 +106,8 @@ def parser() -> argparse.ArgumentParser:
     for name in MODELLED_FLAGS:  # the plugin's own, as a training takes them
         p.add_argument("--" + name.replace("_", "-"), action="store_true",
                        help=option_help(name))
+    p.add_argument("--layers-per-unit", type=int, default=1, metavar="N",
+                   help=option_help("layers_per_unit"))
     for flag in ("checkpoint-activations", "cpu-offload"):  # fairseq's
         p.add_argument("--" + flag, action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true",
@@ -151,7 +153,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _check(options: argparse.Namespace) -> None:
     for flag in ("vocab", "world_size", "max_tokens", "tokens_per_sentence",
-                 "loss_chunk_tokens", "ranks_per_node", *SIZE_FLAGS):
+                 "loss_chunk_tokens", "ranks_per_node", "layers_per_unit", *SIZE_FLAGS):
         value = getattr(options, flag)
         if value is not None and value < 1:
             raise EstimateError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
@@ -170,6 +172,7 @@ def setup_from(options: argparse.Namespace) -> TrainingSetup:
         tokens_per_sentence=options.tokens_per_sentence, precision=precision,
         optimizer=options.optimizer,
         **{name: getattr(options, name) for name in MODELLED_FLAGS},
+        layers_per_unit=options.layers_per_unit,
         keep_all_gathered=options.no_reshard_after_forward,
         chunked_loss=options.criterion == CHUNKED, loss_chunk_tokens=options.loss_chunk_tokens,
         checkpoint_activations=options.checkpoint_activations, cpu_offload=options.cpu_offload,

@@ -74,10 +74,14 @@ class ModelShape:
     buffer_elements: int = 0  # floating-point buffers (sinusoidal positions), cast to b
     attention_dropout: bool = True  # keeps attention probabilities (CPU math path)
 
-    @property
-    def largest_unit(self) -> int:
-        return max(self.vocabulary_unit_parameters, self.encoder_layer_parameters,
-                   self.decoder_layer_parameters)
+    def layer_unit(self, layers_per_unit: int = 1) -> int:
+        """Parameters of the largest layer unit: up to ``layers_per_unit`` layers of one
+        stack."""
+        return max(min(layers_per_unit, self.encoder_layers) * self.encoder_layer_parameters,
+                   min(layers_per_unit, self.decoder_layers) * self.decoder_layer_parameters)
+
+    def largest_unit(self, layers_per_unit: int = 1) -> int:
+        return max(self.vocabulary_unit_parameters, self.layer_unit(layers_per_unit))
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ class TrainingSetup:
     precision: str = "fp16"  # fp16 | bf16 | fp32
     optimizer: str = "adam"  # adam | sgd
     root_unit_only: bool = False
+    layers_per_unit: int = 1  # --layers-per-unit: consecutive layers of a stack per unit
     keep_root_gathered: bool = False
     keep_vocabulary_gathered: bool = False  # per-layer plans: no reshard after forward
     keep_all_gathered: bool = False  # --no-reshard-after-forward: no unit reshards after forward
@@ -244,7 +249,8 @@ CHUNK_ELEMENTS = 2**24  # the 16-bit optimizer step's chunk, in elements
 
 def largest_local_elements(shape: ModelShape, setup: TrainingSetup) -> float:
     """Elements of the largest unit's shard on one rank (the whole model's, root only)."""
-    unit = shape.parameters if setup.root_unit_only else shape.largest_unit
+    unit = shape.parameters if setup.root_unit_only else shape.largest_unit(
+        setup.layers_per_unit)
     return unit / setup.world_size
 
 
@@ -292,7 +298,7 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
 
     per_layer_units = not setup.root_unit_only
     vocab_unit = shape.vocabulary_unit_parameters if per_layer_units else p
-    layer_unit = max(shape.encoder_layer_parameters, shape.decoder_layer_parameters)
+    layer_unit = shape.layer_unit(setup.layers_per_unit)
     kept_gathered = b * p if (setup.root_unit_only and setup.keep_root_gathered) else 0.0
     if n == 1 and setup.root_unit_only:  # world size 1: the gathered copy stays
         kept_gathered = b * p

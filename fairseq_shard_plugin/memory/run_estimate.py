@@ -168,6 +168,8 @@ def run_description(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> 
         flags += ["--loss-chunk-tokens", str(cfg.criterion.loss_chunk_tokens)]
     options = sharding_options(cfg.task)
     flags += ["--" + name.replace("_", "-") for name in MODELLED_FLAGS if getattr(options, name)]
+    if options.layers_per_unit > 1:
+        flags += ["--layers-per-unit", str(options.layers_per_unit)]
     if getattr(cfg.model, "checkpoint_activations", False):
         flags.append("--checkpoint-activations")
     if cfg.distributed_training.cpu_offload:

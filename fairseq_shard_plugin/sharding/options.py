@@ -65,6 +65,14 @@ class ShardingConfig(FairseqDataclass):
             "below --min-params-to-wrap (for comparison: no per-layer units)"
         },
     )
+    layers_per_unit: int = field(
+        default=1,
+        metadata={
+            "help": "consecutive layers of a stack (encoder, decoder) sharded as one unit: "
+            "N times fewer all-gathers, reduce-scatters and FSDP hooks per step, for N - 1 "
+            "more layers gathered at a time (fsdp2)"
+        },
+    )
     reduce_in_16_bit: bool = field(
         default=False,
         metadata={

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -36,6 +37,10 @@ class ShardedModel:
     description: str  # the plan in one line, for the log
 
 
+# Layers built but not sharded yet under --layers-per-unit N, per stack, until N exist.
+_unsharded_layers: dict[str, list[nn.Module]] = {}
+
+
 def shard_layer_as_built(layer: nn.Module, settings: ShardingSettings) -> nn.Module:
     """Shard a transformer layer the moment fairseq has built it, before the next exists.
 
@@ -45,13 +50,21 @@ def shard_layer_as_built(layer: nn.Module, settings: ShardingSettings) -> nn.Mod
     model (only the embeddings, one layer and the shards so far). Nothing else changes:
     the layer is initialised exactly as before (same random numbers in the same order), and
     :func:`parallelize` later finds it among the plan's layer units, sharded with the same
-    settings. The fairscale engine and ``--root-unit-only`` build as before."""
+    settings. With ``--layers-per-unit N`` each stack's layers wait until N of them exist
+    and are sharded together, as the plan groups them (fairseq builds a stack's layers in
+    order, one stack after the other); the rest of a stack is sharded by
+    :func:`parallelize`. The fairscale engine and ``--root-unit-only`` build as before."""
     if (settings.engine != "fsdp2" or settings.root_unit_only
             or not isinstance(layer, LAYER_CLASSES)):
         return layer
     if settings.sixteen_bit_parameters and settings.compute_dtype is not None:
         layer.to(dtype=settings.compute_dtype)
-    Fsdp2Engine(settings).shard_layer(layer)
+    stack = "decoder" if isinstance(layer, TransformerDecoderLayerBase) else "encoder"
+    waiting = _unsharded_layers.setdefault(stack, [])
+    waiting.append(layer)
+    if len(waiting) >= settings.layers_per_unit:
+        Fsdp2Engine(settings).shard_layers(waiting)
+        waiting.clear()
     return layer
 
 
@@ -81,7 +94,9 @@ def parallelize(model: nn.Module, settings: ShardingSettings) -> ShardedModel:
     4. Buffers in the compute dtype: FSDP casts parameters, not buffers, and fairseq's
        layers mix them (positions, masks) with 16-bit activations.
     """
-    plan = build_plan(model, settings.reshard, settings.root_unit_only)
+    _unsharded_layers.clear()  # the model is built: the plan takes any rest of a stack
+    plan = build_plan(model, settings.reshard, settings.root_unit_only,
+                      settings.layers_per_unit)
     description = describe_plan(plan)  # counted before sharding changes the parameters
     built_sharded = sum(isinstance(unit.modules[0], FSDPModule) for unit in plan.units)
     if built_sharded:

@@ -150,6 +150,7 @@ class ShardingSettings:
     reshard: ReshardPolicy = field(default_factory=ReshardPolicy)
     # --root-unit-only: stock fairseq's plan for NLLB-sized layers (one unit), to compare
     root_unit_only: bool = False
+    layers_per_unit: int = 1  # --layers-per-unit: consecutive layers of a stack in one unit
     checkpoint_activations: bool = False  # applied by fairseq when it builds the layers
     offload_activations: bool = False
 
@@ -173,6 +174,7 @@ class ShardingSettings:
                 options.keep_root_gathered, options.keep_vocabulary_gathered,
                 bool(dist_cfg.no_reshard_after_forward)),
             root_unit_only=options.root_unit_only,
+            layers_per_unit=options.layers_per_unit,
             checkpoint_activations=bool(getattr(cfg.model, "checkpoint_activations", False)),
             offload_activations=bool(getattr(cfg.model, "offload_activations", False)),
         )

@@ -16,6 +16,9 @@ every fairseq model is covered, whatever ``--min-params-to-wrap`` says:
   parameter form one unit together, so a tied 256K embedding is sharded once;
 - everything else (final layer norms, learned positions, LSTM decoder cells) belongs to
   the root unit.
+
+With ``--layers-per-unit N``, N consecutive layers (or blocks) of one stack form a unit
+together (the last unit of a stack takes what is left), never across stacks.
 """
 
 from __future__ import annotations
@@ -111,19 +114,49 @@ def _group_by_shared_parameters(
     return [members for _, members in groups]
 
 
+def stack_of(name: str) -> str:
+    """The stack a layer or block belongs to: its list's name (``encoder.layers.3`` ->
+    ``encoder.layers``); the module's own name where it is not in a list."""
+    parent, _, index = name.rpartition(".")
+    return parent if index.isdigit() else name
+
+
+def group_name(names: list[str]) -> str:
+    """``encoder.layers.0-3`` for consecutive entries of one list; the one name alone."""
+    if len(names) == 1:
+        return names[0]
+    return f"{names[0]}-{names[-1].rpartition('.')[2]}"
+
+
+def group_layers(layers: list[tuple[str, nn.Module]], per_unit: int
+                 ) -> list[list[tuple[str, nn.Module]]]:
+    """``layers`` (in model order) in groups of up to ``per_unit`` consecutive ones of the
+    same stack."""
+    groups: list[list[tuple[str, nn.Module]]] = []
+    for name, module in layers:
+        last = groups[-1] if groups else None
+        if (last is not None and len(last) < per_unit
+                and stack_of(last[-1][0]) == stack_of(name)):
+            last.append((name, module))
+        else:
+            groups.append([(name, module)])
+    return groups
+
+
 def build_plan(model: nn.Module, reshard: ReshardPolicy | None = None,
-               root_unit_only: bool = False) -> ShardingPlan:
+               root_unit_only: bool = False, layers_per_unit: int = 1) -> ShardingPlan:
     """Return the sharding plan for a fairseq model, each unit freeing its gathered
     parameters after forward as ``reshard`` says (see :class:`.settings.ReshardPolicy`).
 
     ``root_unit_only`` reproduces stock fairseq's plan for layers below
     ``--min-params-to-wrap``: one unit holding everything (for comparisons).
+    ``layers_per_unit`` consecutive layers of a stack form one unit.
     """
     reshard = reshard or ReshardPolicy()
     root = ShardUnit("<root>", (model,), reshard_after_forward=reshard.root)
     if root_unit_only:
         return ShardingPlan(units=(), root=root)
-    layers: list[ShardUnit] = []
+    layers: list[tuple[str, nn.Module]] = []
     candidates: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
     layer_prefixes: list[str] = []
@@ -134,18 +167,23 @@ def build_plan(model: nn.Module, reshard: ReshardPolicy | None = None,
             continue
         seen.add(id(module))
         if isinstance(module, LAYER_CLASSES) or id(module) in blocks:
-            layers.append(ShardUnit(name, (module,), reshard_after_forward=reshard.layers))
+            layers.append((name, module))
             layer_prefixes.append(name + ".")
         elif _is_vocabulary_module(name, module) and any(
             p.requires_grad for p in module.parameters()
         ):
             candidates.append((name, module))
+    layer_units = [
+        ShardUnit(group_name([n for n, _ in group]), tuple(m for _, m in group),
+                  reshard_after_forward=reshard.layers)
+        for group in group_layers(layers, layers_per_unit)
+    ]
     vocabulary = [
         ShardUnit("+".join(n for n, _ in group), tuple(m for _, m in group), vocabulary=True,
                   reshard_after_forward=reshard.vocabulary)
         for group in _group_by_shared_parameters(candidates)
     ]
-    return ShardingPlan(units=tuple(layers + vocabulary), root=root)
+    return ShardingPlan(units=tuple(layer_units + vocabulary), root=root)
 
 
 def parameter_count(modules: Iterable[nn.Module]) -> int:

@@ -123,6 +123,9 @@ def _log_flags_taken_over(cfg: Any, settings: ShardingSettings) -> None:
     if options.shard_group_size and options.shard_strategy != "hybrid":
         warn_once(f"--shard-group-size {options.shard_group_size} has no effect without "
                   "--shard-strategy hybrid: this run shards fully over all its ranks")
+    if options.layers_per_unit > 1 and options.root_unit_only:
+        warn_once(f"--layers-per-unit {options.layers_per_unit} has no effect with "
+                  "--root-unit-only (there are no layer units): remove one of them")
     if not settings.reshard.layers:
         logger.info("--no-reshard-after-forward: every unit stays gathered from its forward "
                     "to its backward (no all-gathers in backward; the whole model's "

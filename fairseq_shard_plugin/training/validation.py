@@ -103,6 +103,10 @@ def _check_plugin_options(cfg: Any) -> None:
             "plugin's checkpoint writes atomic: remove it (--checkpoint-format sharded makes "
             "saves fast instead: each rank writes only its shards)"
         )
+    if options.layers_per_unit < 1:
+        raise ShardingConfigError(
+            f"--layers-per-unit {options.layers_per_unit}: give 1 (every layer its own unit) "
+            "or more")
     if dist_cfg.fp32_reduce_scatter and options.reduce_in_16_bit:
         raise ShardingConfigError(
             "--fp32-reduce-scatter and --reduce-in-16-bit contradict each other: drop one "
@@ -268,6 +272,8 @@ def check_fairscale_engine(cfg: Any) -> None:
         "--reduce-vocabulary-in-16-bit": bool(
             getattr(cfg.task, "reduce_vocabulary_in_16_bit", False)
         ),
+        # fairscale FSDP wraps one module per unit
+        "--layers-per-unit above 1": (getattr(cfg.task, "layers_per_unit", 1) or 1) > 1,
         "--criterion chunked_label_smoothed_cross_entropy":
             getattr(cfg.criterion, "_name", None) == "chunked_label_smoothed_cross_entropy",
         # generation calls submodules directly: the plugin gathers FSDP2 units around it

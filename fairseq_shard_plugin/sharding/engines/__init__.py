@@ -62,11 +62,11 @@ class Fsdp2Engine:
         return mixed_precision_policy(self.settings.compute_dtype,
                                       self.settings.reduce_in_16_bit)
 
-    def shard_layer(self, layer: nn.Module) -> None:
-        """One transformer layer sharded as :meth:`shard` shards layer units, while fairseq
-        builds the model (:func:`..parallelize.shard_layer_as_built`)."""
+    def shard_layers(self, layers: list[nn.Module]) -> None:
+        """Transformer layers sharded together as :meth:`shard` shards a layer unit, while
+        fairseq builds the model (:func:`..parallelize.shard_layer_as_built`)."""
         mesh = self._mesh()
-        unit = ShardUnit(type(layer).__name__, (layer,),
+        unit = ShardUnit(type(layers[0]).__name__, tuple(layers),
                          reshard_after_forward=self.settings.reshard.layers)
         fsdp2.shard_unit(unit, mesh, self._unit_policy(),
                          fsdp2.offload_policy(self.settings.offload, mesh))

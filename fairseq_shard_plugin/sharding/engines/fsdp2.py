@@ -73,12 +73,25 @@ def refuse_scalar_parameters(model: nn.Module) -> None:
                 "fairscale on CUDA)")
 
 
+def sharded_together(unit: ShardUnit) -> bool:
+    """Whether ``unit``'s modules are already sharded, all as one FSDP2 unit; a unit
+    sharded otherwise (some of its modules, or in other groups) is an error of the plan."""
+    sharded = [module for module in unit.modules if isinstance(module, FSDPModule)]
+    if not sharded:
+        return False
+    states = {id(module._get_fsdp_state()) for module in sharded}  # type: ignore[operator]
+    if len(sharded) != len(unit.modules) or len(states) != 1:
+        raise RuntimeError(f"unit {unit.name}: its modules were sharded in other groups "
+                           "while the model was built than the wrap policy's plan makes")
+    return True
+
+
 def shard_unit(
     unit: ShardUnit, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, offload: OffloadPolicy
 ) -> None:
-    """``fully_shard`` one unit (its modules together); a unit already sharded (a layer
-    sharded as fairseq built it, by this function with this unit's settings) is left."""
-    if len(unit.modules) == 1 and isinstance(unit.modules[0], FSDPModule):
+    """``fully_shard`` one unit (its modules together); a unit already sharded (layers
+    sharded as fairseq built them, by this function with this unit's settings) is left."""
+    if sharded_together(unit):
         return
     warnings.filterwarnings("ignore", message=_HARMLESS_VIEW_OUTPUTS, category=UserWarning)
     target = unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
