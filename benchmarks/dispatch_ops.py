@@ -58,6 +58,10 @@ CONFIGS: dict[str, list[str]] = {
                      "--ddp-backend", "fully_sharded", "--no-memory-report"],
     "plugin fsdp2 --bf16": ["--user-dir", str(PLUGIN_DIR), "--task", "sharded_translation",
                             "--ddp-backend", "fully_sharded", "--no-memory-report", "--bf16"],
+    # consecutive layers sharded together: fewer units, so fewer hooks and collectives
+    **{f"plugin fsdp2, {n} layers per unit": [
+        "--user-dir", str(PLUGIN_DIR), "--task", "sharded_translation", "--ddp-backend",
+        "fully_sharded", "--no-memory-report", "--layers-per-unit", str(n)] for n in (2, 4)},
     # one unit, gathered from forward to backward: FSDP2's hooks once per pass, and no
     # copies in backward (at world size 1 there is nothing to shard; costs one gathered copy)
     "plugin fsdp2, one unit kept gathered": [

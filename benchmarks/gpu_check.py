@@ -117,6 +117,11 @@ RUNS = [
     Run("plugin fsdp2, fp16, one unit kept gathered (--root-unit-only "
         "--no-reshard-after-forward)", True,
         ["--fp16", *PLUGIN_TASK, "--root-unit-only", "--no-reshard-after-forward"]),
+    # four consecutive layers per unit: a quarter of the units, so of FSDP2's hooks and
+    # collectives, for three more layers gathered (CPU proxy: benchmarks/results/
+    # host_time_split.md); unlike the row above it keeps the layers resharded
+    Run("plugin fsdp2, fp16, 4 layers per unit (--layers-per-unit 4)", True,
+        ["--fp16", *PLUGIN_TASK, "--layers-per-unit", "4"]),
     Run("plugin fsdp2, the NLLB configs (16-bit state and memory features)", True,
         ["--memory-efficient-fp16", "--fp16-adam-stats", *PLUGIN_TASK, *NLLB_FEATURES]),
     # the issue's MFU goal (at least 30%) is set at this batch

@@ -47,7 +47,8 @@ TIMED: dict[str, list[tuple[str, str, str]]] = {
         ("fairseq_shard_plugin.sharding.local_shards", "LocalShards", "bind")],
     "fairseq's Adam step": [("fairseq.optim.fairseq_optimizer", "FairseqOptimizer", "step")],
 }
-NAMES = ("stock legacy_ddp", "plugin fsdp2", "plugin fsdp2, one unit kept gathered")
+NAMES = ("stock legacy_ddp", "plugin fsdp2", "plugin fsdp2, 2 layers per unit",
+         "plugin fsdp2, 4 layers per unit", "plugin fsdp2, one unit kept gathered")
 
 
 class Clock:
