@@ -172,12 +172,18 @@ def overlap_run(corpus: Path, save_dir: Path, nproc: int, overlap: bool,
 def test_the_background_step_trains_bit_for_bit_as_the_step_in_line(
         corpus: Path, tmp_path: Path, nproc: int) -> None:
     """Saves every 2 updates and validation every 3 read the state between updates; a
-    resume from update 4 loads into the background step and ends on the same state."""
+    resume from update 4 loads into the background step and ends on the same state. On 2
+    ranks the background run groups each stack's 2 layers into one unit (a unit's step then
+    spans several layers) and its resume does not: neither changes a bit."""
+    grouped = ["--layers-per-unit", "2"] if nproc == 2 else []
     runs = in_threads({name: (lambda name=name: overlap_run(
-        corpus, tmp_path / name, nproc, overlap=name == "overlap"))
+        corpus, tmp_path / name, nproc, name == "overlap",
+        *(grouped if name == "overlap" else [])))
         for name in ("overlap", "inline")})
     overlap, inline = result_of(runs, "overlap"), result_of(runs, "inline")
     assert "runs unit by unit in the background" in overlap.output
+    units = "2 layer units (encoder.layers.0-1" if grouped else "4 layer units"
+    assert f"sharded over {nproc} ranks with fsdp2: {units}" in overlap.output
     assert "runs unit by unit" not in inline.output
     for key in ("loss", "gnorm"):
         assert overlap.series("train_inner", key) == inline.series("train_inner", key), key
