@@ -171,3 +171,29 @@ def test_only_the_vocabulary_unit_reduces_in_16_bit_when_asked(corpus: Path) -> 
     vocabulary = [name for name in reduce_dtypes if "embed_tokens" in name]
     assert len(vocabulary) == 1 and reduce_dtypes[vocabulary[0]] == "torch.bfloat16"
     assert {d for n, d in reduce_dtypes.items() if n not in vocabulary} == {"torch.float32"}
+
+
+def test_layers_sharded_in_other_groups_than_the_plan_are_refused(tmp_path: Path) -> None:
+    """The check between hook 1's grouping (while fairseq builds the model) and the plan's:
+    a unit is taken as sharded only when all its modules form one FSDP2 unit."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fairseq_shard_plugin.sharding.engines.fsdp2 import sharded_together
+    from fairseq_shard_plugin.sharding.wrap_policy import ShardUnit
+
+    if not dist.is_initialized():  # a one-rank group, as test_sharded_checkpoint_security's
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                                rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    a, b, c, d, e = (nn.Linear(2, 2) for _ in range(5))
+    fully_shard(a, mesh=mesh)
+    fully_shard(b, mesh=mesh)
+    fully_shard([c, d], mesh=mesh)
+    assert sharded_together(ShardUnit("c-d", (c, d)))
+    assert sharded_together(ShardUnit("a", (a,)))
+    assert not sharded_together(ShardUnit("e", (e,)))
+    for modules in ((a, b), (c,), (c, e)):
+        with pytest.raises(RuntimeError, match="grouped otherwise than the wrap policy's"):
+            sharded_together(ShardUnit("unit", modules))

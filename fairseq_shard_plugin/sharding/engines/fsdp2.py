@@ -79,10 +79,13 @@ def sharded_together(unit: ShardUnit) -> bool:
     sharded = [module for module in unit.modules if isinstance(module, FSDPModule)]
     if not sharded:
         return False
-    states = {id(module._get_fsdp_state()) for module in sharded}  # type: ignore[operator]
-    if len(sharded) != len(unit.modules) or len(states) != 1:
-        raise RuntimeError(f"unit {unit.name}: its modules were sharded in other groups "
-                           "while the model was built than the wrap policy's plan makes")
+    # the FSDP2 units they belong to, each as the modules it was made of
+    groups = {frozenset(map(id, module._get_fsdp_state()._modules))  # type: ignore[operator]
+              for module in sharded}
+    if groups != {frozenset(map(id, unit.modules))}:
+        raise RuntimeError(f"unit {unit.name}: the layers sharded while fairseq built the "
+                           "model were grouped otherwise than the wrap policy's plan groups "
+                           "them (a defect of the plugin: please report it)")
     return True
 
 
