@@ -16,7 +16,8 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    shards it by its own wrap policy when the trainer is built. Where the transformer
    layer builders (``transformer_encoder``, ``transformer_decoder``) call ``fsdp_wrap``,
    a sharded training's layer is sharded right away, as fairseq builds it (with the
-   settings hook 4 records), so no rank ever holds the whole fp32 model.
+   settings hook 4 records; under ``--layers-per-unit N`` once N layers of its stack
+   exist), so no rank ever holds the whole fp32 model.
 2. ``Trainer``: ``train.py`` constructs ``fairseq.trainer.Trainer`` by name; under
    ``fully_sharded`` it becomes :class:`~fairseq_shard_plugin.training.trainer.ShardedTrainer`.
    Under any other backend it stays fairseq's, subclassed only so that ``load_checkpoint``
