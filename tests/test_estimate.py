@@ -50,7 +50,7 @@ from fairseq_shard_plugin.memory.run_estimate import (
     predict,
     run_description,
 )
-from launching.harness import PLUGIN_DIR, run_concurrently
+from launching.harness import PLUGIN_DIR, run_concurrently, run_training, training_args
 
 from tiny_training import TINY as TINY_TRAINING
 from tiny_training import sharded_config
@@ -313,6 +313,37 @@ def test_layers_per_unit_adds_at_most_what_the_estimate_adds(
     measured_extra, estimated_extra = grouped - without, estimated[1] - estimated[0]
     assert 0 < measured_extra <= estimated_extra < 2 * measured_extra, (
         measured_extra, estimated_extra)
+
+
+@pytest.mark.e2e
+def test_layers_waiting_to_be_sharded_together_are_counted_in_the_build(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """--layers-per-unit 6 on 6+6 layers: each stack's layers stay unsharded in fp32 until
+    the sixth is built. The build's peak RSS (VmHWM when the trainer logs its plan) grows
+    by what the estimate adds, 5 decoder layers (an upper bound: ~80 MiB estimated, 62-72
+    measured here)."""
+    from fairseq_shard_plugin.memory.meters import process_memory
+
+    model = ["--arch", "transformer", "--share-all-embeddings", "--encoder-layers", "6",
+             "--decoder-layers", "6", "--encoder-embed-dim", "512", "--decoder-embed-dim",
+             "512", "--encoder-ffn-embed-dim", "2048", "--decoder-ffn-embed-dim", "2048"]
+    built: dict[int, float] = {}
+    for per_unit in (1, 6):
+        def watch(ranks: list, outputs: list[str], per_unit: int = per_unit) -> None:
+            if (per_unit not in built and "sharded over" in outputs[0]
+                    and ranks[0].poll() is None):
+                built[per_unit] = process_memory(["VmHWM"], ranks[0].pid)["VmHWM"] / GIB
+        run_training(training_args(corpus, tmp_path / str(per_unit), 1, max_tokens=256)
+                     + model + ["--task", "sharded_translation", "--no-save",
+                                "--layers-per-unit", str(per_unit)],
+                     nproc=2, plugin=True, watch=watch)
+    estimated = [run([*model, "--vocab", "608", "--world-size", "2", "--max-tokens", "256",
+                      "--cpu", "--layers-per-unit", str(per_unit)]
+                     )["host"]["cases"]["model construction"]["per_rank_gib"]
+                 for per_unit in (1, 6)]
+    extra = estimated[1] - estimated[0]
+    assert 0.6 * extra <= built[6] - built[1] <= 1.1 * extra, (built, estimated)
 
 
 @pytest.fixture(scope="module")

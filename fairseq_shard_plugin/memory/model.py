@@ -477,28 +477,38 @@ def construction_host(shape: ModelShape, setup: TrainingSetup, host: HostSetup
     moments, all ranks of a node at once:
 
     - the last layer built: the parameters outside the layers in fp32 (embeddings, norms)
-      and one layer in fp32;
+      and one layer in fp32; with ``--layers-per-unit N`` also the layers of its stack
+      waiting for the N-th (cast already under 16-bit shards), and the rest of the encoder
+      (its layer count modulo N), which waits until the model is built;
     - the decoder's output projection built: fairseq creates it as a new fp32
       ``nn.Linear`` (vocabulary x dimension, initialised) before tying it to the embedding,
       after every layer exists (``TransformerDecoderBase.build_output_projection``);
     - the rest sharded after the last layer: with 16-bit parameter shards the rest is cast
       first (its fp32 and 16-bit copies alive together), then FSDP copies it into this
-      rank's shards (the unsharded copy still alive)."""
+      rank's shards (the unsharded copy still alive); the rests of both stacks too."""
     layers = (shape.encoder_layers * shape.encoder_layer_parameters
               + shape.decoder_layers * shape.decoder_layer_parameters)
     outside_layers = shape.parameters - layers
-    largest_layer = max(shape.encoder_layer_parameters, shape.decoder_layer_parameters)
     on_host = _state_on_host(setup, host)
     shards = setup.param_bytes * layers / setup.world_size if on_host else 0.0
-    last_layer = 4.0 * (outside_layers + largest_layer)
+    per_unit = 1 if setup.root_unit_only else setup.layers_per_unit
+    stacks = ((shape.encoder_layers, shape.encoder_layer_parameters),
+              (shape.decoder_layers, shape.decoder_layer_parameters))
+    # each stack's layers waiting for the N-th beside the one built, and each stack's rest
+    waiting = [setup.param_bytes * (min(per_unit, count) - 1) * size for count, size in stacks]
+    rests = [setup.param_bytes * (count % per_unit) * size if per_unit > 1 else 0.0
+             for count, size in stacks]
+    last_layer = 4.0 * outside_layers + max(
+        4.0 * shape.encoder_layer_parameters + waiting[0],
+        4.0 * shape.decoder_layer_parameters + waiting[1] + rests[0])
     cast = setup.param_bytes * outside_layers if setup.param_bytes < 4 else 0.0
     rest_sharded = (setup.param_bytes * outside_layers / setup.world_size if on_host
                     else 0.0)
     rest = max(4.0 * outside_layers + cast,
-               setup.param_bytes * outside_layers + rest_sharded)
+               setup.param_bytes * outside_layers + rest_sharded) + sum(rests)
     projection = shape.vocabulary * shape.decoder_dim
     tied = shape.vocabulary_unit_parameters < 2 * projection  # embedding and projection
-    untied_projection = 4.0 * (outside_layers + projection) if tied else 0.0
+    untied_projection = (4.0 * (outside_layers + projection) + sum(rests)) if tied else 0.0
     per_rank = max(last_layer, untied_projection, rest) + shards
     return HostPeak(per_rank, host.ranks_per_node * per_rank)
 

@@ -26,9 +26,11 @@ from fairseq_shard_plugin.sharding.wrap_policy import ShardingPlan, ShardUnit
 # return views (transposes), and the vocabulary unit's embeddings too (a lookup reshaped to
 # batch x time x dim), which fairseq's encoders and decoders only ever scale out of place:
 # sharded they give stock fairseq's losses and gradient norms (tests/test_sharded_training.py,
-# test_fairseq_architectures.py). Only those units' warning is silenced.
-_HARMLESS_VIEW_OUTPUTS = (r"FSDP2-wrapped module \((FSDP(Transformer(EncoderLayerBase|"
-                          r"DecoderLayerBase|Model|LanguageModel)|BARTModel)|"
+# test_fairseq_architectures.py). Only those units' warning is silenced (a unit of several
+# layers, --layers-per-unit, names each).
+_LAYER = r"FSDPTransformer(Encoder|Decoder)LayerBase"
+_HARMLESS_VIEW_OUTPUTS = (rf"FSDP2-wrapped module \(({_LAYER}(, {_LAYER})*|"
+                          r"FSDP(Transformer(Model|LanguageModel)|BARTModel)|"
                           r"FSDPEmbedding(, FSDPEmbedding)*(, FSDPLinear)?)\) returned a view")
 
 
