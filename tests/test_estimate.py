@@ -819,6 +819,10 @@ def test_the_cli_reports_16_bit_state_and_host_memory(capsys: pytest.CaptureFixt
     for label in ("Host GiB, this run", "per host (4 ranks)", *HOST_CASES,
                   "peak (sharded saves)", "GPU ranks"):
         assert label in out, label
+    assert "No effect" not in out
+    estimate_main([*flags, "--root-unit-only", "--layers-per-unit", "4"])  # as training warns
+    assert ("No effect in this run: --layers-per-unit 4 (--root-unit-only makes no layer "
+            "units)") in capsys.readouterr().out
 
 
 def test_a_config_is_read_with_its_defaults_list_in_hydras_order() -> None:

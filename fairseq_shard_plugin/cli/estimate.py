@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     if report["assumed"]:
         print(f"Assumed, as nothing gave them: {', '.join(report['assumed'])} (give them, "
               "--config FILE, or your training command after --, for your run)")
+    for flag in report["without_effect"]:
+        print(f"No effect in this run: {flag}")
     print(f"{shape['parameters'] / 1e6:.1f}M parameters (vocabulary unit "
           f"{shape['vocabulary_unit_parameters'] / 1e6:.1f}M), {setup['tokens']} tokens per "
           f"rank, {setup['precision']} compute, {TrainingSetup(**setup).state_description()}")

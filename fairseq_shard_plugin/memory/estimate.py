@@ -384,8 +384,12 @@ def run(argv: list[str] | None = None, shape: ModelShape | None = None) -> dict[
         gathered = estimate(shape, replace(setup, keep_vocabulary_gathered=True)).peak
         if gathered <= results["requested"].peak * 1.001:
             free_speedup = {"flag": "--keep-vocabulary-gathered", "peak_gib": gathered / GIB}
+    without_effect = ([f"--layers-per-unit {setup.layers_per_unit} (--root-unit-only makes no "
+                       "layer units)"] if setup.root_unit_only and setup.layers_per_unit > 1
+                      else [])
     return {
         "assumed": [] if from_command else options.assumed,
+        "without_effect": without_effect,
         "model": asdict(shape), "setup": asdict(setup),
         "configurations": {name: est.gib() for name, est in results.items()},
         "host": host_report(shape, setup, options),
