@@ -117,8 +117,8 @@ RUNS = [
     Run("plugin fsdp2, fp16, one unit kept gathered (--root-unit-only "
         "--no-reshard-after-forward)", True,
         ["--fp16", *PLUGIN_TASK, "--root-unit-only", "--no-reshard-after-forward"]),
-    # four consecutive layers per unit: a quarter of the units, so of FSDP2's hooks and
-    # collectives, for three more layers gathered (CPU proxy: benchmarks/results/
+    # four consecutive layers per unit: a quarter of the layer units (their FSDP2 hooks and
+    # collectives), for up to six more layers gathered (CPU proxy: benchmarks/results/
     # host_time_split.md); unlike the row above it keeps the layers resharded
     Run("plugin fsdp2, fp16, 4 layers per unit (--layers-per-unit 4)", True,
         ["--fp16", *PLUGIN_TASK, "--layers-per-unit", "4"]),

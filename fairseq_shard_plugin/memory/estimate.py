@@ -363,8 +363,8 @@ def host_table(host: dict[str, Any]) -> str:
                      f"the peak above; {loads})")
     else:
         lines.append("(GPU ranks: each builds the model in fp32 on the host, sharding each "
-                     f"layer as it is built; a full save gathers on rank 0; {loads}; --cpu "
-                     "for CPU ranks)")
+                     "layer (or group of --layers-per-unit layers) as it is built; a full "
+                     f"save gathers on rank 0; {loads}; --cpu for CPU ranks)")
     return "\n".join(lines)
 
 

@@ -69,8 +69,8 @@ class ShardingConfig(FairseqDataclass):
         default=1,
         metadata={
             "help": "consecutive layers of a stack (encoder, decoder) sharded as one unit: "
-            "N times fewer all-gathers, reduce-scatters and FSDP hooks per step, for N - 1 "
-            "more layers gathered at a time (fsdp2)"
+            "about N times fewer layer units (all-gathers, reduce-scatters, FSDP hooks), for "
+            "up to 2(N - 1) more layers gathered at a time in backward (fsdp2 only)"
         },
     )
     reduce_in_16_bit: bool = field(
