@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import gpu_check
 from benchmarks.dispatch_ops import compare, largest_differences
+from launching.harness import training_args
 
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
 
@@ -83,3 +85,28 @@ def test_a_second_gpu_check_call_measures_the_runs_a_first_one_left() -> None:
     name, runs = selected_runs(5)
     assert name == "gpu_check_from5"
     assert runs == [RUNS[0], *RUNS[4:]] and not runs[0].plugin  # stock first, for the ratios
+
+
+@pytest.mark.parametrize("spec", gpu_check.RUNS, ids=lambda spec: spec.name)
+def test_every_gpu_check_row_is_a_command_fairseq_and_the_plugin_accept(
+    corpus: Path, tmp_path: Path, spec: gpu_check.Run
+) -> None:
+    """Device time is scarce: a row whose flags fairseq or the plugin's checks refuse would
+    spend it on an error. Each row's training command, as the GPU check builds it, parses
+    and (the plugin's fsdp2 rows) passes the checks made before training."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    from fairseq_shard_plugin.tasks import register
+    from fairseq_shard_plugin.training.validation import check_sharded_config
+
+    register()  # the plugin's task and options, as --user-dir would
+    backend = (["--ddp-backend", "fully_sharded"] if spec.plugin
+               else ["--ddp-backend", spec.stock_backend])
+    args = (training_args(corpus, tmp_path, max_update=40, max_tokens=spec.tokens, cpu=False)
+            + gpu_check.MODEL + spec.flags + ["--no-save", "--disable-validation"] + backend)
+    cfg = convert_namespace_to_omegaconf(  # an unknown or misspelled flag fails here
+        options.parse_args_and_arch(options.get_training_parser(), args))
+    if spec.plugin and "fairscale" not in spec.flags:  # fairscale needs CUDA, not here
+        cfg.common.cpu = True  # this machine's ranks; the row itself runs on CUDA
+        check_sharded_config(cfg)
