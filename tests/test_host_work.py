@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_check
+from benchmarks import gpu_check, gpu_offload
 from benchmarks.dispatch_ops import compare, largest_differences
 from launching.harness import training_args
 
@@ -87,13 +87,21 @@ def test_a_second_gpu_check_call_measures_the_runs_a_first_one_left() -> None:
     assert runs == [RUNS[0], *RUNS[4:]] and not runs[0].plugin  # stock first, for the ratios
 
 
-@pytest.mark.parametrize("spec", gpu_check.RUNS, ids=lambda spec: spec.name)
-def test_every_gpu_check_row_is_a_command_fairseq_and_the_plugin_accept(
-    corpus: Path, tmp_path: Path, spec: gpu_check.Run
+# every training the GPU check runs: part 1's rows and part 3's (the 3.3B one-GPU recipe)
+GPU_TRAININGS = [(spec.name, gpu_check.MODEL, spec) for spec in gpu_check.RUNS] + [
+    (f"3.3B recipe{' ' + ' '.join(flags) if flags else ''}", gpu_offload.MODEL,
+     gpu_check.Run("3.3B", True, [*gpu_offload.RECIPE, *flags]))
+    for flags in ([], ["--no-host-step-overlap"])]
+
+
+@pytest.mark.parametrize(("model", "spec"), [(model, spec) for _, model, spec in GPU_TRAININGS],
+                         ids=[name for name, _, _ in GPU_TRAININGS])
+def test_every_gpu_check_training_is_a_command_fairseq_and_the_plugin_accept(
+    corpus: Path, tmp_path: Path, model: list[str], spec: gpu_check.Run
 ) -> None:
     """Device time is scarce: a row whose flags fairseq or the plugin's checks refuse would
-    spend it on an error. Each row's training command, as the GPU check builds it, parses
-    and (the plugin's fsdp2 rows) passes the checks made before training."""
+    spend it on an error. Each training command, as the GPU check builds it, parses and
+    (the plugin's fsdp2 ones) passes the checks made before training."""
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
@@ -104,7 +112,7 @@ def test_every_gpu_check_row_is_a_command_fairseq_and_the_plugin_accept(
     backend = (["--ddp-backend", "fully_sharded"] if spec.plugin
                else ["--ddp-backend", spec.stock_backend])
     args = (training_args(corpus, tmp_path, max_update=40, max_tokens=spec.tokens, cpu=False)
-            + gpu_check.MODEL + spec.flags + ["--no-save", "--disable-validation"] + backend)
+            + model + spec.flags + ["--no-save", "--disable-validation"] + backend)
     cfg = convert_namespace_to_omegaconf(  # an unknown or misspelled flag fails here
         options.parse_args_and_arch(options.get_training_parser(), args))
     if spec.plugin and "fairscale" not in spec.flags:  # fairscale needs CUDA, not here
