@@ -3,10 +3,11 @@
 Every rank of every test launch is a fresh Python that imports torch and fairseq before it
 does anything (about 3.5 s of CPU, a third of it scikit-learn, which fairseq's
 audio_classification task imports); on 2 cores that start-up was half of ``make test``.
-A fork server imports ``fairseq_cli.train`` once and forks a process per rank: each rank
-is still a separate process with its own environment, working directory, output file and
-process group rendezvous, and runs the same console script or helper file, from the
-point where it would have finished importing. The plugin itself is never imported by the
+A fork server imports ``fairseq_cli.train`` (and the torch packages a sharded run loads:
+FSDP2, dynamo, DCP) once and forks a process per rank: each rank is still a separate
+process with its own environment, working directory, output file and process group
+rendezvous, and runs the same console script or helper file, from the point where it
+would have finished importing. The plugin itself is never imported by the
 server (fairseq 0.12 skips a ``--user-dir`` already in ``sys.modules``), so each rank loads
 it exactly as a user's run does.
 
