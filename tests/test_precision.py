@@ -11,9 +11,7 @@ rounds losses to 3 decimals).
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +26,6 @@ from launching.harness import (
     result_of,
     run_helper,
     run_training,
-    start_ranks,
     training_args,
 )
 
@@ -176,13 +173,11 @@ def test_16_bit_state_is_8_bytes_per_parameter_and_reloads_on_three_ranks(
     (The file holds them as fp32, as fairseq writes every 16-bit tensor.)"""
     checkpoint = runs["16-bit state"].save_dir / "checkpoint_last.pt"  # type: ignore[attr-defined]
     report_path = tmp_path / "reload.json"
-    command = [sys.executable, str(HELPERS / "reload_masters.py"), str(checkpoint),
-               str(report_path), str(corpus), *TINY, "--cpu", "--task", "translation",
-               "--optimizer", "adam", "--lr", "1e-3", "--criterion",
-               "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-               "--ddp-backend", "fully_sharded", "--memory-efficient-fp16", "--fp16-adam-stats"]
-    returncode, output = start_ranks(command, 3, dict(os.environ, OMP_NUM_THREADS="1"))
-    assert returncode == 0, output[-4000:]
+    run_helper(HELPERS / "reload_masters.py", str(checkpoint), str(report_path), str(corpus),
+               *TINY, "--cpu", "--task", "translation", "--optimizer", "adam", "--lr", "1e-3",
+               "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+               "--ddp-backend", "fully_sharded", "--memory-efficient-fp16", "--fp16-adam-stats",
+               nproc=3)
     report = json.loads(report_path.read_text())
     assert report["master_dtypes"] == ["torch.float16"]
     assert report["moment_dtypes"] == ["torch.float16"]

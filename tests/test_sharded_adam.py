@@ -5,7 +5,6 @@ both host steps for 16-bit state (the C one, and torch's, used without a compile
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from fairseq_shard_plugin.sharding import sharded_adam
 from fairseq_shard_plugin.sharding.optimizer import uses_sharded_adam
 from fairseq_shard_plugin.sharding.settings import ShardingSettings
 from fairseq_shard_plugin.sharding.sharded_adam import ShardedAdam, with_fp32_moments
-from launching.harness import REPO, rank_environment, start_ranks
+from launching.harness import REPO, run_helper
 
 from tiny_training import TINY
 
@@ -262,12 +261,10 @@ def test_every_rank_scales_16_bit_moments_by_the_largest_over_all_ranks(
     uses fp16's whole range. (A scale reduced by sum would leave the range half unused; one
     not reduced at all would differ between the ranks.)"""
     report = tmp_path / "report.json"
-    command = [sys.executable, str(REPO / "tests" / "helpers" / "fp16_moment_scales.py"),
-               str(report), str(corpus), *TINY, "--cpu", "--task", "sharded_translation",
-               "--ddp-backend", "fully_sharded", "--optimizer", "adam", "--lr", "1e-3",
-               "--memory-efficient-fp16", "--fp16-adam-stats"]
-    code, output = start_ranks(command, 2, rank_environment(), timeout=300)
-    assert code == 0, output[-4000:]
+    run_helper(REPO / "tests" / "helpers" / "fp16_moment_scales.py", str(report), str(corpus),
+               *TINY, "--cpu", "--task", "sharded_translation", "--ddp-backend",
+               "fully_sharded", "--optimizer", "adam", "--lr", "1e-3",
+               "--memory-efficient-fp16", "--fp16-adam-stats")
     found = json.loads(report.read_text())
     assert found["optimizer"] == "ShardedAdam"
     first, second = found["ranks"]
