@@ -254,7 +254,7 @@ def test_multilingual_inputs_that_fairseq_misreads_are_named(tmp_path: Path) -> 
         check_langs_files("moved/langs.txt")
     (tmp_path / "dict.eng_Latn.txt").write_text("a 1\nb 1\n")
     (tmp_path / "dict.fra_Latn.txt").write_text("a 1\n")
-    assert dictionary_mismatch(str(tmp_path), ["eng_Latn", "fra_Latn"]).startswith(
+    assert dictionary_mismatch(str(tmp_path), "eng_Latn-fra_Latn,fra_Latn-eng_Latn").startswith(
         f"the languages' dictionaries in {tmp_path} differ (dict.eng_Latn.txt 2 lines, "
         "dict.fra_Latn.txt 1 lines)")
     assert language_order_problem(["a", "b"], ["a", "b"]) is None

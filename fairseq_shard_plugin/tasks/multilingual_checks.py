@@ -80,12 +80,13 @@ def language_order_problem(stored: Any, current: Sequence[str] | None) -> str | 
             "langs file or list; without --langs fairseq sorts the languages it finds)")
 
 
-def dictionary_mismatch(data: str, langs: Sequence[str]) -> str:
-    """The dictionaries of ``langs`` in DATA's first directory, by size, for fairseq's
-    assertion that source languages have different dictionaries."""
+def dictionary_mismatch(data: str, lang_pairs: Any) -> str:
+    """The dictionaries of the languages of ``lang_pairs`` in DATA's first directory, by
+    size, for fairseq's assertion that source languages have different dictionaries."""
     first = utils.split_paths(data)[0]
     sizes = {}
-    for code in langs:
+    codes = {code for pair in _items(lang_pairs) for code in pair.split("-") if code}
+    for code in sorted(codes):
         path = os.path.join(first, f"dict.{code}.txt")
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as lines:

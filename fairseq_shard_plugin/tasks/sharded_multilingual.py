@@ -105,9 +105,8 @@ class ShardedTranslationMultiSimpleEpochTask(TranslationMultiSimpleEpochTask):
             if "Diffrent dictionary" not in str(error) and "Different dictionary" not in str(
                     error):
                 raise
-            codes = sorted({code for pair in str(namespace.lang_pairs).split(",")
-                            for code in pair.split("-") if code})
-            raise MultilingualOptionError(dictionary_mismatch(namespace.data, codes)) from None
+            raise MultilingualOptionError(
+                dictionary_mismatch(namespace.data, namespace.lang_pairs)) from None
 
     def build_model(self, cfg: Any, from_checkpoint: bool = False) -> Any:
         """The model; one built from a checkpoint (generation) must have been trained with
