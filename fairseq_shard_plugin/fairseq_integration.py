@@ -66,7 +66,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    full tensors read in one process otherwise. While the trainer loads, a full checkpoint
    written without the plugin also has its optimizer entry relabelled for the sharded
    optimizer when its state fits (fairseq's Trainer asserts the class names match and has
-   no hook in between; ``stock_optimizer_state``). Every load also gets ``langs`` as a
+   no hook in between; ``stock_optimizer_state``), and one rank's file of stock
+   ``fully_sharded``'s per-rank state becomes the whole set's full state
+   (``fairscale_shards``). Every load also gets ``langs`` as a
    list where an earlier version saved the ``--langs`` file's path (the nllb branch's
    loader refuses the string), and the model config as the ``argparse.Namespace``
    fairseq's legacy architectures expect where the plugin wrote it as a dict (so that

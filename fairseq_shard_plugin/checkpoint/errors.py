@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -159,16 +158,3 @@ def describe_shape_mismatch(
                 f"(e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]}); "
                 "check --arch and the layer counts")
     return None
-
-
-def refuse_to_skip_fairscale_shards(filename: str) -> None:
-    """fairseq's own ``fully_sharded`` (fairscale) names its checkpoints
-    ``checkpoint_last-shard0.pt``, ...; the plugin's trainer looks for the plain name, and
-    fairseq would start from scratch without a word when only the shard files exist."""
-    stem, extension = os.path.splitext(filename)
-    shard = f"{stem}-shard0{extension}"
-    if not os.path.exists(filename) and os.path.exists(shard):
-        raise CheckpointLoadError(
-            f"{filename} does not exist but {shard} does (written by fairseq's own "
-            f"--ddp-backend fully_sharded): pass --restore-file {shard} to continue from it, "
-            "or use another --save-dir to start afresh")

@@ -12,7 +12,12 @@ import torch
 from fairseq import utils
 
 from fairseq_shard_plugin.checkpoint.atomic_files import remove_partial_files, write_atomically
-from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError, describe_shape_mismatch
+from fairseq_shard_plugin.checkpoint.errors import (
+    CheckpointLoadError,
+    describe_shape_mismatch,
+    state_dict_shapes,
+)
+from fairseq_shard_plugin.checkpoint.fairscale_shards import consolidated_state, is_rank_file_state
 from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
 from fairseq_shard_plugin.checkpoint.portable import stored_languages
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
@@ -121,9 +126,10 @@ def trainer_state_loader(
     """For fairseq's loader (hook 6): the state the trainer loads from a checkpoint's contents.
 
     A sharded index becomes a state whose tensors are this rank's shards (see
-    :func:`_load_shards`); a full checkpoint written without the plugin has its optimizer
-    state adopted when it fits (``stock_optimizer_state``). A file without optimizer state
-    is refused unless the optimizer is reset (a fine-tune).
+    :func:`_load_shards`); one rank's file of stock fairseq's sharded state becomes the
+    whole set's full state (``fairscale_shards``); a full checkpoint written without the
+    plugin has its optimizer state adopted when it fits (``stock_optimizer_state``). A file
+    without optimizer state is refused unless the optimizer is reset (a fine-tune).
     """
 
     def load(filename: str, state: dict[str, Any]) -> dict[str, Any]:
@@ -138,6 +144,8 @@ def trainer_state_loader(
             stored_languages(state), getattr(getattr(trainer, "task", None), "langs", None))
         if problem:  # a multilingual checkpoint resumed or fine-tuned with other languages
             raise CheckpointLoadError(f"{filename}: {problem}")
+        if is_rank_file_state(state):
+            state = _whole_fairscale_set(trainer, reset_optimizer, filename, state)
         if is_sharded_index(state):
             state = _load_shards(trainer, reset_optimizer, filename, state)
         elif not reset_optimizer:
@@ -152,6 +160,34 @@ def trainer_state_loader(
         return state
 
     return load
+
+
+def _whole_fairscale_set(trainer: Any, reset_optimizer: bool, filename: str,
+                         state: dict[str, Any]) -> dict[str, Any]:
+    """Stock fairseq's per-rank files (``--use-sharded-state``) as one full state, each
+    file read and CRC-checked like a full checkpoint."""
+    model = trainer.model
+    names = {id(param): name for name, param in model.named_parameters()}
+    param_names = None if reset_optimizer else [
+        names.get(id(param), f"(parameter {index} of the optimizer, outside the model)")
+        for index, param in enumerate(trainer.optimizer.params)]
+    tied: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(param), []).append(name)
+    whole = consolidated_state(filename, state, _read_rank_file, state_dict_shapes(model),
+                               param_names, [group for group in tied.values() if len(group) > 1])
+    logger.info(f"{filename}: fairseq's fully_sharded state of "
+                f"{whole['cfg']['distributed_training']['distributed_world_size']} ranks "
+                "(fairscale's flat shards), put together into whole parameters"
+                + ("" if reset_optimizer else " and per-parameter optimizer state"))
+    return whole
+
+
+def _read_rank_file(path: Path) -> dict[str, Any]:
+    damaged = damaged_zip_entries(path, collective=False)
+    if damaged:
+        raise CheckpointLoadError(corruption_message(path, damaged))
+    return read_checkpoint(path)
 
 
 def _refuse_misfit_optimizer_state(filename: str, state: dict[str, Any],

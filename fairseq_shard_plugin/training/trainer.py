@@ -26,9 +26,9 @@ from fairseq_shard_plugin.checkpoint.errors import (
     CheckpointLoadError,
     describe_checkpoint_problem,
     first_cause,
-    refuse_to_skip_fairscale_shards,
     state_dict_shapes,
 )
+from fairseq_shard_plugin.checkpoint.fairscale_shards import first_rank_file
 from fairseq_shard_plugin.checkpoint.portable import languages_as_lists, with_plain_config
 from fairseq_shard_plugin.checkpoint.sharded import ShardedCheckpointError
 from fairseq_shard_plugin.checkpoint.space import full_state_bytes, space_report
@@ -358,7 +358,11 @@ class ShardedTrainer(Trainer):
         """
         reset_optimizer = bool(args[0] if args else kwargs.get("reset_optimizer", False))
         self.wait_for_host_step()
-        refuse_to_skip_fairscale_shards(filename)
+        stock_shards = first_rank_file(filename)
+        if stock_shards:  # fairseq's own fully_sharded saved these; stock would skip them
+            logger.info(f"{filename} does not exist: continuing from {stock_shards}, written "
+                        "by fairseq's own --ddp-backend fully_sharded (--use-sharded-state)")
+            filename = stock_shards
         try:
             index = read_sharded_index(filename)
             if index is None:

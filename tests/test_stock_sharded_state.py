@@ -1,0 +1,138 @@
+"""A run of stock fairseq's own ``fully_sharded`` (fairscale, ``--use-sharded-state``, as the
+NLLB recipe trains) switched to the plugin: it continues from the per-rank files.
+
+Stock fairseq and fairscale write those files with their own code on 2 CPU ranks
+(tests/helpers/stock_fully_sharded.py stands in for CUDA, nothing else). The reference is
+stock fairseq resuming its own run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fairscale.nn.data_parallel import FullyShardedDataParallel
+
+from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError
+from fairseq_shard_plugin.checkpoint.fairscale_shards import consolidated_state
+from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
+from launching.harness import REPO, RunResult, run_training, training_args
+
+from tiny_training import TINY
+
+STOCK_TRAIN = f"{sys.executable} {REPO / 'tests' / 'helpers' / 'stock_fully_sharded.py'}"
+SAVED_AT, RESUMED_TO = 10, 14
+STOCK_SAVES = ["--use-sharded-state", "--save-interval-updates", "5"]
+# fp16 as the NLLB recipe trains (fairscale's mixed precision over fp32 shards, fairseq's
+# MemoryEfficientFP16Optimizer and its loss scale)
+PRECISIONS = {"fp32": [], "fp16": ["--fp16", "--on-cpu-convert-precision"]}
+
+
+def stock_fully_sharded(args: list[str]) -> RunResult:
+    return run_training(args + ["--task", "translation", *STOCK_SAVES], nproc=2, plugin=False,
+                        stock_backend="fully_sharded",
+                        environment={"FAIRSEQ_TRAIN": STOCK_TRAIN})
+
+
+@pytest.fixture(scope="module", params=list(PRECISIONS))
+def precision(request: pytest.FixtureRequest) -> list[str]:
+    return PRECISIONS[request.param]
+
+
+@pytest.fixture(scope="module")
+def stock_save_dir(corpus: Path, precision: list[str],
+                   tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stock fairseq's save dir after 10 updates: checkpoint_1_5-shard{0,1}.pt,
+    checkpoint_1_10-shard{0,1}.pt, checkpoint_last-shard{0,1}.pt, ..."""
+    save_dir = tmp_path_factory.mktemp("stock_fully_sharded")
+    stock_fully_sharded(training_args(corpus, save_dir, SAVED_AT) + TINY + precision)
+    assert (save_dir / "checkpoint_last-shard1.pt").is_file()
+    return save_dir
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in directory.glob("*-shard*.pt")}
+
+
+def test_the_plugin_continues_a_stock_fully_sharded_run_as_stock_does(
+    corpus: Path, stock_save_dir: Path, precision: list[str], tmp_path: Path
+) -> None:
+    """Same command, the plugin's task and user dir added: no checkpoint_last.pt exists, so
+    it continues from checkpoint_last-shard0.pt and its set, with the Adam moments, and logs
+    the losses stock fairseq logs when it resumes its own run. Stock's files stay as they
+    were."""
+    dirs = {name: tmp_path / name for name in ("stock", "plugin", "plugin_reset")}
+    for directory in dirs.values():
+        shutil.copytree(stock_save_dir, directory)
+    before = digests(dirs["plugin"])
+    stock = stock_fully_sharded(training_args(corpus, dirs["stock"], RESUMED_TO) + TINY
+                                + precision)
+    plugin, reset = (
+        run_training(training_args(corpus, dirs[name], RESUMED_TO) + TINY + precision
+                     + ["--task", "sharded_translation", *flags], nproc=2, plugin=True)
+        for name, flags in (("plugin", ["--use-sharded-state"]),
+                            ("plugin_reset", ["--reset-optimizer"])))
+    assert "continuing from" in plugin.output and "checkpoint_last-shard0.pt" in plugin.output
+    reference = {key: stock.series("train_inner", key) for key in ("loss", "gnorm")}
+    assert len(reference["loss"]) == RESUMED_TO - SAVED_AT
+    for key, values in reference.items():
+        assert plugin.series("train_inner", key) == pytest.approx(values, abs=1.5e-3), key
+    # without the moments (--reset-optimizer) the same weights train differently
+    assert reset.series("train_inner", "loss") != pytest.approx(reference["loss"], abs=1.5e-3)
+    assert digests(dirs["plugin"]) == before
+    assert (dirs["plugin"] / "checkpoint_last.pt").is_file()  # the plugin's own, beside
+
+
+def fairscale_model(save_dir: Path, name: str) -> dict[str, torch.Tensor]:
+    """fairscale's own consolidation of a set (the reference for the plugin's)."""
+    states = [read_checkpoint(save_dir / f"{name}-shard{rank}.pt") for rank in (0, 1)]
+    return FullyShardedDataParallel.consolidate_shard_weights(
+        [state["model"] for state in states], [state["fsdp_metadata"] for state in states],
+        strict=False)  # (fairseq's sinusoidal positions are listed, not saved)
+
+
+def consolidate(first: Path, shapes: dict[str, torch.Size]) -> dict:
+    return consolidated_state(str(first), read_checkpoint(first), read_checkpoint, shapes,
+                              None, [])
+
+
+def test_parameters_put_together_are_fairscales_own_consolidation(stock_save_dir: Path) -> None:
+    reference = fairscale_model(stock_save_dir, "checkpoint_1_10")
+    model = consolidate(stock_save_dir / "checkpoint_1_10-shard0.pt",
+                        {name: tensor.shape for name, tensor in reference.items()})["model"]
+    assert set(reference) <= set(model)
+    for name, tensor in reference.items():
+        assert torch.equal(model[name], tensor), name
+    assert model["encoder.embed_tokens.weight"].shape[0] > 500  # the whole vocabulary
+
+
+@pytest.mark.parametrize("damage", ["missing", "mixed", "renamed", "other_model"])
+def test_an_incomplete_or_mixed_set_is_refused_in_one_line(
+    stock_save_dir: Path, tmp_path: Path, damage: str
+) -> None:
+    shapes = {name: tensor.shape
+              for name, tensor in fairscale_model(stock_save_dir, "checkpoint_last").items()}
+    save_dir = tmp_path / "save"
+    shutil.copytree(stock_save_dir, save_dir)
+    first = save_dir / "checkpoint_last-shard0.pt"
+    if damage == "missing":
+        (save_dir / "checkpoint_last-shard1.pt").unlink()
+        expected = "checkpoint_last-shard1.pt is missing"
+    elif damage == "mixed":  # another save's file under this set's name
+        shutil.copy(save_dir / "checkpoint_1_5-shard1.pt", save_dir / "checkpoint_last-shard1.pt")
+        expected = "checkpoint_last-shard1.pt was saved after 5 updates"
+    elif damage == "renamed":
+        first = Path(shutil.copy(first, save_dir / "stock-copy.pt"))
+        expected = "its name is not fairseq's NAME-shardN.pt"
+    else:
+        shapes["encoder.embed_tokens.weight"] = torch.Size([9, 64])
+        expected = "encoder.embed_tokens.weight has shape"
+    with pytest.raises(CheckpointLoadError) as refused:
+        consolidate(first, shapes)
+    message = str(refused.value)
+    assert expected in message and "\n" not in message and message.startswith(str(first))
