@@ -476,6 +476,12 @@ def _checkpoints_mapped() -> Iterator[None]:
 def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., Any]:
     def load_checkpoint_to_cpu(path: str, arg_overrides: Any = None,
                                load_on_all_ranks: bool = False, **kwargs: Any) -> Any:
+        from fairseq_shard_plugin.checkpoint.fairscale_shards import (
+            consolidated_state,
+            is_rank_file_state,
+            modules_shared_by_config,
+            read_rank_file,
+        )
         from fairseq_shard_plugin.checkpoint.sharded import is_sharded_index
 
         with _checkpoints_mapped():
@@ -485,6 +491,9 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
         loader = active_trainer_loader()
         if loader is not None:
             return loader(path, state)
+        if is_rank_file_state(state):  # stock fully_sharded's per-rank files: the whole set
+            return consolidated_state(path, state, read_rank_file, None, None,
+                                      modules_shared_by_config(state))
         return _full_tensors_of_index(path, state) if is_sharded_index(state) else state
 
     return _marked(load_checkpoint_to_cpu, stock_load)

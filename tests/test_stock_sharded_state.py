@@ -16,11 +16,21 @@ from pathlib import Path
 import pytest
 import torch
 from fairscale.nn.data_parallel import FullyShardedDataParallel
+from test_checkpoints import generate_command, hypotheses
 
 from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError
 from fairseq_shard_plugin.checkpoint.fairscale_shards import consolidated_state
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
-from launching.harness import REPO, RunResult, run_training, training_args
+from launching.harness import (
+    PLUGIN_DIR,
+    REPO,
+    RunResult,
+    run_command,
+    run_concurrently,
+    run_training,
+    tool,
+    training_args,
+)
 
 from tiny_training import TINY
 
@@ -136,3 +146,27 @@ def test_an_incomplete_or_mixed_set_is_refused_in_one_line(
         consolidate(first, shapes)
     message = str(refused.value)
     assert expected in message and "\n" not in message and message.startswith(str(first))
+
+
+def test_a_stock_set_exports_for_stock_tools_and_translates_with_the_plugin(
+    corpus: Path, stock_save_dir: Path, tmp_path: Path
+) -> None:
+    """``fairseq-shard-consolidate`` of any file of the set writes one standard checkpoint
+    that stock fairseq-generate (never importing the plugin) translates; fairseq-generate
+    with the plugin translates the set itself alike (stock fairseq 0.12 cannot: its
+    ``--checkpoint-shard-count`` path fails on the sinusoidal positions' buffer names).
+    fairseq-shard-verify names each file's rank."""
+    export = tmp_path / "model.pt"
+    finished = run_concurrently({
+        "export": [tool("fairseq-shard-consolidate"),
+                   str(stock_save_dir / "checkpoint_last-shard1.pt"), str(export)],
+        "verify": [tool("fairseq-shard-verify"), str(stock_save_dir)],
+        "plugin": generate_command(corpus, stock_save_dir / "checkpoint_last-shard0.pt")})
+    assert finished["export"].returncode == 0, finished["export"].stderr[-3000:]
+    stock = [part for part in generate_command(corpus, export)
+             if part not in ("--user-dir", str(PLUGIN_DIR))]
+    from_export = run_command(stock)
+    assert "fairseq_shard_plugin" not in from_export.stderr
+    assert hypotheses(from_export) == hypotheses(finished["plugin"])
+    assert "checkpoint_last-shard0.pt: ok (rank 0 of 2 of fairseq's fully_sharded state, " \
+        f"update {SAVED_AT}, epoch 1)" in finished["verify"].stdout

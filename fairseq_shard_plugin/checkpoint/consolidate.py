@@ -31,6 +31,13 @@ from fairseq_shard_plugin.checkpoint.atomic_files import (
     write_atomically,
 )
 from fairseq_shard_plugin.checkpoint.errors import describe_unreadable
+from fairseq_shard_plugin.checkpoint.fairscale_shards import (
+    FairscaleShardsError,
+    consolidated_state,
+    is_rank_file_state,
+    modules_shared_by_config,
+    read_rank_file,
+)
 from fairseq_shard_plugin.checkpoint.integrity import (
     RESUME_HINT,
     corruption_message,
@@ -175,6 +182,25 @@ def _legacy_inference_state(path: Path, dtype: torch.dtype | None) -> dict[str, 
     with ``_use_new_zipfile_serialization=False``."""
     state = _load(path, "cpu")
     _require_fairseq_checkpoint(path, state)
+    return _resident_inference_state(state, dtype)
+
+
+def _rank_files_inference_state(path: Path, pickled: dict[str, Any],
+                                dtype: torch.dtype | None) -> dict[str, Any]:
+    """Stock ``fully_sharded``'s per-rank files (``NAME-shard0.pt``, ...; any one of them
+    names the set, ``pickled`` is its state on the meta device) put together in memory:
+    each holds slices of flat parameters, so there is no whole tensor to stream."""
+    try:
+        state = consolidated_state(str(path), _load(path, "cpu"), read_rank_file, None, None,
+                                   modules_shared_by_config(pickled))
+    except FairscaleShardsError as error:
+        raise ConsolidateError(str(error)) from error
+    return _resident_inference_state(state, dtype)
+
+
+def _resident_inference_state(state: dict[str, Any], dtype: torch.dtype | None
+                              ) -> dict[str, Any]:
+    """``state`` in memory without optimizer state, its model tensors cast to ``dtype``."""
     exported = {key: value for key, value in state.items() if key not in _DROPPED}
     cast: dict[int, torch.Tensor] = {}  # a tied weight's names keep one tensor
 
@@ -282,10 +308,13 @@ def export_consolidated(
     else:
         state = _load(path, "meta")  # the pickle only: tensors on the meta device
         _require_fairseq_checkpoint(path, state)
-        try:
-            exported, plan = _inference_plan(path, state, dtype)
-        except (ShardedCheckpointError, StoredTensorError) as error:
-            raise ConsolidateError(str(error)) from error
+        if is_rank_file_state(state):
+            exported, plan = _rank_files_inference_state(path, state, dtype), ResidentTensor
+        else:
+            try:
+                exported, plan = _inference_plan(path, state, dtype)
+            except (ShardedCheckpointError, StoredTensorError) as error:
+                raise ConsolidateError(str(error)) from error
     exported = portable_state(exported)
     for note in stock_fairseq_notes(exported):
         logger.warning(note)

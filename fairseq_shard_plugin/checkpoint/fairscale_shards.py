@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError, describe_shape_mismatch
+from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
+from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 
 METADATA_KEY = "fsdp_metadata"  # fairseq's Trainer.state_dict adds it under fully_sharded
 _RANK_SUFFIX = re.compile(r"^(?P<stem>.*)-shard(?P<rank>\d+)(?P<extension>\.pt)$")
@@ -41,12 +43,38 @@ def is_rank_file_state(state: Any) -> bool:
     return isinstance(state, dict) and METADATA_KEY in state
 
 
+def rank_in_name(filename: str | Path) -> int | None:
+    """N of fairseq's ``NAME-shardN.pt``, else None."""
+    match = _RANK_SUFFIX.match(os.path.basename(filename))
+    return int(match["rank"]) if match else None
+
+
 def first_rank_file(filename: str) -> str | None:
     """``X-shard0.pt`` when ``filename`` (``X.pt``) does not exist and that file does: the
     name stock fairseq's ``--use-sharded-state`` gave the checkpoint the trainer looks for."""
     stem, extension = os.path.splitext(filename)
     first = f"{stem}-shard0{extension}"
     return first if not os.path.exists(filename) and os.path.exists(first) else None
+
+
+def read_rank_file(path: Path) -> dict[str, Any]:
+    """Another rank's file, CRC-checked and read as every checkpoint is
+    (``weights_only=True``)."""
+    damaged = damaged_zip_entries(path, collective=False)
+    if damaged:
+        raise FairscaleShardsError(corruption_message(path, damaged))
+    return read_checkpoint(path)
+
+
+def modules_shared_by_config(state: dict[str, Any]) -> list[list[str]]:
+    """The names of tied parameters that fairscale's metadata cannot tell, from the model's
+    config: ``--share-all-embeddings`` makes the encoder's and the decoder's embeddings one
+    module, whose weight fairscale records under the encoder's name only. For readers
+    without a model (generation, export); the trainer takes the ties from its model."""
+    model_cfg = (state.get("cfg") or {}).get("model") or state.get("args")
+    shared = (model_cfg.get("share_all_embeddings") if isinstance(model_cfg, dict)
+              else getattr(model_cfg, "share_all_embeddings", False))
+    return [["encoder.embed_tokens.weight", "decoder.embed_tokens.weight"]] if shared else []
 
 
 def rank_files(filename: str, world_size: int) -> list[Path]:
@@ -71,15 +99,15 @@ def rank_files(filename: str, world_size: int) -> list[Path]:
 
 def consolidated_state(
     filename: str, state: dict[str, Any], read: ReadState,
-    model_shapes: dict[str, torch.Size], param_names: Sequence[str] | None,
+    model_shapes: dict[str, torch.Size] | None, param_names: Sequence[str] | None,
     tied: Sequence[Sequence[str]],
 ) -> dict[str, Any]:
     """The checkpoint ``state`` (one rank's file) with the whole set put together.
 
     ``read`` reads another rank's file; ``model_shapes`` are the names and shapes of the
-    model's state (checked before anything else is put together); ``param_names`` are the
-    names of the optimizer's parameters in its order (None: the optimizer state is left
-    out, for a reset);
+    model's state (checked before the optimizer state is put together; None: no model);
+    ``param_names`` are the names of the optimizer's parameters in its order (None: the
+    optimizer state is left out, for a reset or an export);
     ``tied`` lists the names of each tied parameter (fairscale keeps one of them, and
     records some of the others).
     """
@@ -103,7 +131,7 @@ def consolidated_state(
         for name in names:
             if stored is not None and name not in model:
                 model[name] = stored
-    problem = describe_shape_mismatch(
+    problem = model_shapes is not None and describe_shape_mismatch(
         filename, {name: tuple(tensor.shape) for name, tensor in model.items()}, model_shapes)
     if problem:
         raise FairscaleShardsError(problem)

@@ -17,7 +17,11 @@ from fairseq_shard_plugin.checkpoint.errors import (
     describe_shape_mismatch,
     state_dict_shapes,
 )
-from fairseq_shard_plugin.checkpoint.fairscale_shards import consolidated_state, is_rank_file_state
+from fairseq_shard_plugin.checkpoint.fairscale_shards import (
+    consolidated_state,
+    is_rank_file_state,
+    read_rank_file,
+)
 from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
 from fairseq_shard_plugin.checkpoint.portable import stored_languages
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
@@ -174,20 +178,13 @@ def _whole_fairscale_set(trainer: Any, reset_optimizer: bool, filename: str,
     tied: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         tied.setdefault(id(param), []).append(name)
-    whole = consolidated_state(filename, state, _read_rank_file, state_dict_shapes(model),
+    whole = consolidated_state(filename, state, read_rank_file, state_dict_shapes(model),
                                param_names, [group for group in tied.values() if len(group) > 1])
     logger.info(f"{filename}: fairseq's fully_sharded state of "
                 f"{whole['cfg']['distributed_training']['distributed_world_size']} ranks "
                 "(fairscale's flat shards), put together into whole parameters"
                 + ("" if reset_optimizer else " and per-parameter optimizer state"))
     return whole
-
-
-def _read_rank_file(path: Path) -> dict[str, Any]:
-    damaged = damaged_zip_entries(path, collective=False)
-    if damaged:
-        raise CheckpointLoadError(corruption_message(path, damaged))
-    return read_checkpoint(path)
 
 
 def _refuse_misfit_optimizer_state(filename: str, state: dict[str, Any],

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fairseq_shard_plugin.checkpoint.errors import describe_unreadable
+from fairseq_shard_plugin.checkpoint.fairscale_shards import is_rank_file_state, rank_in_name
 from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
@@ -48,6 +49,15 @@ def _position(state: Any) -> tuple[int, str]:
             f"update {'?' if updates is None else updates}, epoch {epoch}")
 
 
+def _rank_file_kind(path: Path, state: dict[str, Any]) -> str:
+    """How one rank's file of stock ``fully_sharded``'s state is described: which rank of
+    how many (every file of the set is needed, and each is checked on its own)."""
+    ranks = ((state.get("cfg") or {}).get("distributed_training") or {}).get(
+        "distributed_world_size", "?")
+    rank = rank_in_name(path)
+    return f"rank {'?' if rank is None else rank} of {ranks} of fairseq's fully_sharded state"
+
+
 def check(path: Path) -> Verdict:
     """The verdict on one checkpoint file."""
     allow_fairseq_checkpoint_types()
@@ -70,7 +80,7 @@ def check(path: Path) -> Verdict:
         damaged = damaged_zip_entries(path)
         if damaged:
             return Verdict(path, False, corruption_message(path, damaged))
-        kind = "full"
+        kind = _rank_file_kind(path, state) if is_rank_file_state(state) else "full"
     updates, position = _position(state)
     if "last_optimizer_state" not in state:
         return Verdict(path, True, f"{path}: ok ({kind}, {position}; no optimizer state: an "
