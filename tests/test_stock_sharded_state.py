@@ -1,9 +1,11 @@
-"""A run of stock fairseq's own ``fully_sharded`` (fairscale, ``--use-sharded-state``, as the
-NLLB recipe trains) switched to the plugin: it continues from the per-rank files.
+"""A run of stock fairseq's own ``fully_sharded`` (fairscale, as the NLLB recipe trains)
+switched to the plugin: it continues from stock's checkpoints.
 
-Stock fairseq and fairscale write those files with their own code on 2 CPU ranks
-(tests/helpers/stock_fully_sharded.py stands in for CUDA, nothing else). The reference is
-stock fairseq resuming its own run.
+Stock fairseq and fairscale train and save with their own code on 2 CPU ranks
+(tests/helpers/stock_fully_sharded.py stands in for CUDA, nothing else), with every layer
+its own fairscale unit (``--min-params-to-wrap``), so that the units' order is not the
+model's. The reference is stock fairseq's uninterrupted run (stock 0.12 cannot resume such
+a run itself here: its load fails on the nested units' names).
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from fairscale.nn.data_parallel import FullyShardedDataParallel
 from test_checkpoints import generate_command, hypotheses
 
 from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError
-from fairseq_shard_plugin.checkpoint.fairscale_shards import consolidated_state
+from fairseq_shard_plugin.checkpoint.fairscale_shards import consolidated_state, in_model_order
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from launching.harness import (
     PLUGIN_DIR,
     REPO,
     RunResult,
+    in_threads,
+    result_of,
     run_command,
     run_concurrently,
     run_training,
@@ -36,32 +40,49 @@ from tiny_training import TINY
 
 STOCK_TRAIN = f"{sys.executable} {REPO / 'tests' / 'helpers' / 'stock_fully_sharded.py'}"
 SAVED_AT, RESUMED_TO = 10, 14
-STOCK_SAVES = ["--use-sharded-state", "--save-interval-updates", "5"]
+LAYER_UNITS = ["--min-params-to-wrap", "10000"]  # TINY's layers have about 33K parameters
+PER_RANK_FILES = ["--use-sharded-state", "--save-interval-updates", "5"]
 # fp16 as the NLLB recipe trains (fairscale's mixed precision over fp32 shards, fairseq's
 # MemoryEfficientFP16Optimizer and its loss scale)
 PRECISIONS = {"fp32": [], "fp16": ["--fp16", "--on-cpu-convert-precision"]}
 
 
 def stock_fully_sharded(args: list[str]) -> RunResult:
-    return run_training(args + ["--task", "translation", *STOCK_SAVES], nproc=2, plugin=False,
+    return run_training(args + ["--task", "translation", *LAYER_UNITS], nproc=2, plugin=False,
                         stock_backend="fully_sharded",
                         environment={"FAIRSEQ_TRAIN": STOCK_TRAIN})
 
 
 @pytest.fixture(scope="module", params=list(PRECISIONS))
-def precision(request: pytest.FixtureRequest) -> list[str]:
-    return PRECISIONS[request.param]
+def stock_runs(request: pytest.FixtureRequest, corpus: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Stock fairseq's save dir after 10 updates with per-rank files (checkpoint_1_5-shard
+    {0,1}.pt, checkpoint_1_10-shard{0,1}.pt, checkpoint_last-shard{0,1}.pt, ...), the same
+    training uninterrupted to update 14, and (fp32) its save dir in the full format."""
+    precision = PRECISIONS[request.param]
+    dirs = {name: tmp_path_factory.mktemp(name) for name in ("per_rank", "uninterrupted", "full")}
+    jobs = {
+        "per_rank": lambda: stock_fully_sharded(
+            training_args(corpus, dirs["per_rank"], SAVED_AT) + TINY + precision
+            + PER_RANK_FILES),
+        "uninterrupted": lambda: stock_fully_sharded(
+            training_args(corpus, dirs["uninterrupted"], RESUMED_TO) + TINY + precision
+            + ["--no-save"]),
+    }
+    if request.param == "fp32":
+        jobs["full"] = lambda: stock_fully_sharded(
+            training_args(corpus, dirs["full"], SAVED_AT) + TINY)
+    results = in_threads(jobs)
+    runs = {name: result_of(results, name) for name in jobs}
+    assert (dirs["per_rank"] / "checkpoint_last-shard1.pt").is_file()
+    return {"precision": precision, "save_dir": dirs["per_rank"],
+            "full": dirs["full"] if "full" in jobs else None,
+            "uninterrupted": runs["uninterrupted"]}
 
 
 @pytest.fixture(scope="module")
-def stock_save_dir(corpus: Path, precision: list[str],
-                   tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Stock fairseq's save dir after 10 updates: checkpoint_1_5-shard{0,1}.pt,
-    checkpoint_1_10-shard{0,1}.pt, checkpoint_last-shard{0,1}.pt, ..."""
-    save_dir = tmp_path_factory.mktemp("stock_fully_sharded")
-    stock_fully_sharded(training_args(corpus, save_dir, SAVED_AT) + TINY + precision)
-    assert (save_dir / "checkpoint_last-shard1.pt").is_file()
-    return save_dir
+def stock_save_dir(stock_runs: dict) -> Path:
+    return stock_runs["save_dir"]
 
 
 def digests(directory: Path) -> dict[str, str]:
@@ -69,26 +90,26 @@ def digests(directory: Path) -> dict[str, str]:
             for path in directory.glob("*-shard*.pt")}
 
 
-def test_the_plugin_continues_a_stock_fully_sharded_run_as_stock_does(
-    corpus: Path, stock_save_dir: Path, precision: list[str], tmp_path: Path
+def test_the_plugin_continues_a_stock_fully_sharded_run_exactly(
+    corpus: Path, stock_runs: dict, tmp_path: Path
 ) -> None:
     """Same command, the plugin's task and user dir added: no checkpoint_last.pt exists, so
-    it continues from checkpoint_last-shard0.pt and its set, with the Adam moments, and logs
-    the losses stock fairseq logs when it resumes its own run. Stock's files stay as they
-    were."""
-    dirs = {name: tmp_path / name for name in ("stock", "plugin", "plugin_reset")}
+    it continues from checkpoint_last-shard0.pt and its set, with the Adam moments (and the
+    loss scale), and logs the losses and gradient norms of stock's uninterrupted run.
+    Stock's files stay as they were."""
+    precision = stock_runs["precision"]
+    dirs = {name: tmp_path / name for name in ("plugin", "plugin_reset")}
     for directory in dirs.values():
-        shutil.copytree(stock_save_dir, directory)
+        shutil.copytree(stock_runs["save_dir"], directory)
     before = digests(dirs["plugin"])
-    stock = stock_fully_sharded(training_args(corpus, dirs["stock"], RESUMED_TO) + TINY
-                                + precision)
     plugin, reset = (
         run_training(training_args(corpus, dirs[name], RESUMED_TO) + TINY + precision
                      + ["--task", "sharded_translation", *flags], nproc=2, plugin=True)
         for name, flags in (("plugin", ["--use-sharded-state"]),
                             ("plugin_reset", ["--reset-optimizer"])))
     assert "continuing from" in plugin.output and "checkpoint_last-shard0.pt" in plugin.output
-    reference = {key: stock.series("train_inner", key) for key in ("loss", "gnorm")}
+    stock = stock_runs["uninterrupted"]
+    reference = {key: stock.series("train_inner", key)[SAVED_AT:] for key in ("loss", "gnorm")}
     assert len(reference["loss"]) == RESUMED_TO - SAVED_AT
     for key, values in reference.items():
         assert plugin.series("train_inner", key) == pytest.approx(values, abs=1.5e-3), key
@@ -106,15 +127,56 @@ def fairscale_model(save_dir: Path, name: str) -> dict[str, torch.Tensor]:
         strict=False)  # (fairseq's sinusoidal positions are listed, not saved)
 
 
-def consolidate(first: Path, shapes: dict[str, torch.Size]) -> dict:
+def consolidate(first: Path, shapes: dict[str, torch.Size] | None) -> dict:
     return consolidated_state(str(first), read_checkpoint(first), read_checkpoint, shapes,
                               None, [])
 
 
+def model_order(state: dict) -> list[str]:
+    """The parameter names of the checkpoint's model, in the model's order: fairseq builds
+    the model from the checkpoint's own config."""
+    from fairseq.tasks.translation import TranslationTask
+
+    args = state["cfg"]["model"]  # an argparse.Namespace, as fairseq's legacy archs keep it
+    model = TranslationTask.setup_task(args).build_model(args)
+    return [name for name, _ in model.named_parameters()]
+
+
+def test_a_full_stock_checkpoint_has_its_optimizer_state_put_in_the_models_order(
+    stock_runs: dict,
+) -> None:
+    """Without --use-sharded-state stock writes one full checkpoint, whose optimizer state
+    fairscale gathered unit by unit (the root's parameters, then each layer's: not the
+    model's order). Re-indexed by name in the model's order, it equals the per-rank files'
+    state of the same training (same seed, same updates, equal weights). The second moments
+    are compared: on CPU ranks fairscale's gather stores its all-gather buffer itself as the
+    first moments (``.cpu()`` of a CPU tensor is no copy), which the second moments' gather
+    then overwrites, so this file's exp_avg holds exp_avg_sq (on CUDA ``.cpu()`` copies)."""
+    if stock_runs["full"] is None:
+        pytest.skip("the full-format run is fp32 only")
+    full = read_checkpoint(stock_runs["full"] / "checkpoint_last.pt")
+    names = model_order(full)
+    gathered = [f"{unit['fsdp_path']}.{name}" if unit["fsdp_path"] else name
+                for unit in full["fsdp_metadata"]["param_metadata"]
+                for entry in unit["params"].values() for name in entry["names"]]
+    assert sorted(gathered) == sorted(names) and gathered != names
+    first = stock_runs["save_dir"] / "checkpoint_last-shard0.pt"
+    per_rank = consolidated_state(str(first), read_checkpoint(first), read_checkpoint, None,
+                                  names, [])
+    ordered = in_model_order("full.pt", full, names)
+    for index, name in enumerate(names):
+        assert torch.equal(full["model"][name], per_rank["model"][name]), name
+        ours, theirs = (state["last_optimizer_state"]["state"][index]
+                        for state in (ordered, per_rank))
+        assert ours["step"] == theirs["step"] == SAVED_AT
+        assert torch.equal(ours["exp_avg_sq"], theirs["exp_avg_sq"]), name
+
+
 def test_parameters_put_together_are_fairscales_own_consolidation(stock_save_dir: Path) -> None:
+    """(fairscale's own misses the tied output projection with nested units: it copies the
+    shared parameters its last unit records.)"""
     reference = fairscale_model(stock_save_dir, "checkpoint_1_10")
-    model = consolidate(stock_save_dir / "checkpoint_1_10-shard0.pt",
-                        {name: tensor.shape for name, tensor in reference.items()})["model"]
+    model = consolidate(stock_save_dir / "checkpoint_1_10-shard0.pt", None)["model"]
     assert set(reference) <= set(model)
     for name, tensor in reference.items():
         assert torch.equal(model[name], tensor), name
@@ -125,8 +187,8 @@ def test_parameters_put_together_are_fairscales_own_consolidation(stock_save_dir
 def test_an_incomplete_or_mixed_set_is_refused_in_one_line(
     stock_save_dir: Path, tmp_path: Path, damage: str
 ) -> None:
-    shapes = {name: tensor.shape
-              for name, tensor in fairscale_model(stock_save_dir, "checkpoint_last").items()}
+    shapes = {name: tensor.shape for name, tensor in consolidate(
+        stock_save_dir / "checkpoint_last-shard0.pt", None)["model"].items()}
     save_dir = tmp_path / "save"
     shutil.copytree(stock_save_dir, save_dir)
     first = save_dir / "checkpoint_last-shard0.pt"

@@ -39,8 +39,64 @@ class FairscaleShardsError(CheckpointLoadError):
 
 
 def is_rank_file_state(state: Any) -> bool:
-    """Whether ``state`` is one rank's file of stock fairseq's sharded state."""
+    """Whether ``state`` is one rank's file of stock fairseq's sharded state: its model holds
+    slices of flat parameters (a flat one, or one of another shape than its parameter)."""
+    if not is_fairscale_state(state) or not isinstance(state.get("model"), dict):
+        return False
+    for unit in state[METADATA_KEY].get("param_metadata", []):
+        for backing, entry in unit.get("params", {}).items():
+            stored = state["model"].get(f"{unit['fsdp_path']}.{backing}"
+                                        if unit["fsdp_path"] else backing)
+            if stored is not None and (len(entry["names"]) > 1
+                                       or tuple(stored.shape) != tuple(entry["shapes"][0])):
+                return True
+    return False
+
+
+def is_fairscale_state(state: Any) -> bool:
+    """Whether ``state`` was saved by stock fairseq under ``--ddp-backend fully_sharded``:
+    one rank's file, or (without ``--use-sharded-state``) a full checkpoint whose
+    optimizer state fairscale gathered."""
     return isinstance(state, dict) and METADATA_KEY in state
+
+
+def in_model_order(filename: str, state: dict[str, Any], param_names: Sequence[str]
+                   ) -> dict[str, Any]:
+    """A full checkpoint of stock ``fully_sharded`` with its optimizer state indexed in the
+    order of ``param_names``: fairscale gathers it unit by unit (the root's parameters,
+    then each nested unit's), which is the model's order only when the root is the one
+    unit. The unit order and the names come from the checkpoint's ``fsdp_metadata``."""
+    result = {key: value for key, value in state.items() if key != METADATA_KEY}
+    saved = state.get("last_optimizer_state")
+    if saved is None:
+        return result
+    if saved.get("uncollected_local_ids"):
+        raise FairscaleShardsError(
+            f"{filename}: fairscale left the optimizer state of some units out of it "
+            "(expert layers): add --reset-optimizer to start the optimizer afresh")
+    gathered = [f"{unit['fsdp_path']}.{name}" if unit["fsdp_path"] else name
+                for unit in state[METADATA_KEY]["param_metadata"]
+                for entry in unit["params"].values() for name in entry["names"]]
+    by_name = {gathered[index]: entry for index, entry in saved.get("state", {}).items()
+               if isinstance(index, int) and index < len(gathered)}
+    if len(by_name) != len(saved.get("state", {})):
+        raise FairscaleShardsError(
+            f"{filename}: its optimizer state has entries for {len(saved.get('state', {}))} "
+            f"parameters, its fsdp_metadata names {len(gathered)}: add --reset-optimizer "
+            "to start the optimizer afresh")
+    unknown = [name for name in param_names if name not in by_name]
+    if unknown:
+        raise FairscaleShardsError(
+            f"{filename}: holds no optimizer state for {len(unknown)} of this model's "
+            f"parameters (e.g. {unknown[:2]}; its fsdp_metadata names e.g. {gathered[:2]}); "
+            "add --reset-optimizer to start the optimizer afresh")
+    reordered = {key: value for key, value in saved.items()
+                 if key not in ("state", "param_id_map", "uncollected_local_ids")}
+    reordered["state"] = {index: by_name[name] for index, name in enumerate(param_names)}
+    groups = saved.get("param_groups") or [{}]
+    reordered["param_groups"] = [dict(groups[0], params=list(range(len(param_names))))]
+    result["last_optimizer_state"] = reordered
+    return result
 
 
 def rank_in_name(filename: str | Path) -> int | None:

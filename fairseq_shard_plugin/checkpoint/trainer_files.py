@@ -19,6 +19,8 @@ from fairseq_shard_plugin.checkpoint.errors import (
 )
 from fairseq_shard_plugin.checkpoint.fairscale_shards import (
     consolidated_state,
+    in_model_order,
+    is_fairscale_state,
     is_rank_file_state,
     read_rank_file,
 )
@@ -150,6 +152,8 @@ def trainer_state_loader(
             raise CheckpointLoadError(f"{filename}: {problem}")
         if is_rank_file_state(state):
             state = _whole_fairscale_set(trainer, reset_optimizer, filename, state)
+        elif is_fairscale_state(state):  # a full one: its optimizer state in unit order
+            state = in_model_order(filename, state, _optimizer_param_names(trainer))
         if is_sharded_index(state):
             state = _load_shards(trainer, reset_optimizer, filename, state)
         elif not reset_optimizer:
@@ -166,15 +170,19 @@ def trainer_state_loader(
     return load
 
 
+def _optimizer_param_names(trainer: Any) -> list[str]:
+    """The model's names of the optimizer's parameters, in the optimizer's order."""
+    names = {id(param): name for name, param in trainer.model.named_parameters()}
+    return [names.get(id(param), f"(parameter {index} of the optimizer, outside the model)")
+            for index, param in enumerate(trainer.optimizer.params)]
+
+
 def _whole_fairscale_set(trainer: Any, reset_optimizer: bool, filename: str,
                          state: dict[str, Any]) -> dict[str, Any]:
     """Stock fairseq's per-rank files (``--use-sharded-state``) as one full state, each
     file read and CRC-checked like a full checkpoint."""
     model = trainer.model
-    names = {id(param): name for name, param in model.named_parameters()}
-    param_names = None if reset_optimizer else [
-        names.get(id(param), f"(parameter {index} of the optimizer, outside the model)")
-        for index, param in enumerate(trainer.optimizer.params)]
+    param_names = None if reset_optimizer else _optimizer_param_names(trainer)
     tied: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         tied.setdefault(id(param), []).append(name)
