@@ -32,6 +32,7 @@ from fairseq_shard_plugin.checkpoint.atomic_files import (
 )
 from fairseq_shard_plugin.checkpoint.errors import describe_unreadable
 from fairseq_shard_plugin.checkpoint.fairscale_shards import (
+    METADATA_KEY,
     FairscaleShardsError,
     consolidated_state,
     is_rank_file_state,
@@ -78,7 +79,7 @@ from fairseq_shard_plugin.errors import ShardPluginError
 logger = logging.getLogger(__name__)
 
 # what an inference checkpoint leaves out of a training checkpoint
-_DROPPED = ("last_optimizer_state", SHARDED_KEY)
+_DROPPED = ("last_optimizer_state", SHARDED_KEY, METADATA_KEY)  # (fairscale's flat layout)
 _EXPORT_HINT = "export an intact checkpoint instead (fairseq-shard-verify SAVE_DIR lists them)"
 # fairseq's names for the checkpoints of a save dir (resume, best, epoch and interval ones)
 _TRAINING_NAME = re.compile(r"checkpoint(_last|_best|[0-9]+|_[0-9]+_[0-9]+)\S*\.pt")
