@@ -183,7 +183,8 @@ def test_parameters_put_together_are_fairscales_own_consolidation(stock_save_dir
     assert model["encoder.embed_tokens.weight"].shape[0] > 500  # the whole vocabulary
 
 
-@pytest.mark.parametrize("damage", ["missing", "mixed", "renamed", "other_model"])
+@pytest.mark.parametrize("damage", ["missing", "mixed", "renamed", "other_model",
+                                    "crafted_shapes", "crafted_keys"])
 def test_an_incomplete_or_mixed_set_is_refused_in_one_line(
     stock_save_dir: Path, tmp_path: Path, damage: str
 ) -> None:
@@ -201,9 +202,19 @@ def test_an_incomplete_or_mixed_set_is_refused_in_one_line(
     elif damage == "renamed":
         first = Path(shutil.copy(first, save_dir / "stock-copy.pt"))
         expected = "its name is not fairseq's NAME-shardN.pt"
-    else:
+    elif damage == "other_model":
         shapes["encoder.embed_tokens.weight"] = torch.Size([9, 64])
         expected = "encoder.embed_tokens.weight has shape"
+    else:  # fsdp_metadata edited: shapes that do not hold the counted elements, a key gone
+        state = torch.load(first, weights_only=True)
+        entry = state["fsdp_metadata"]["param_metadata"][0]["params"]["flat_param_0"]
+        if damage == "crafted_shapes":
+            entry["shapes"] = [(3, 3), *entry["shapes"][1:]]
+            expected = "the fsdp_metadata of flat_param_0 lists"
+        else:
+            del entry["numels"]
+            expected = "its fully_sharded set cannot be put together: KeyError: 'numels'"
+        torch.save(state, first)
     with pytest.raises(CheckpointLoadError) as refused:
         consolidate(first, shapes)
     message = str(refused.value)

@@ -1,16 +1,17 @@
-"""Checkpoints of fairseq's own ``--ddp-backend fully_sharded`` with ``--use-sharded-state``.
+"""Checkpoints of fairseq's own ``--ddp-backend fully_sharded`` (fairscale FSDP).
 
-Stock fairseq shards through fairscale and, with ``--use-sharded-state``, every rank saves
-its own file, ``checkpoint_last-shard0.pt``, ``-shard1.pt``, ...: its slice of each
-*flat* parameter (fairscale concatenates a unit's parameters into one 1-D tensor, splits
-it evenly over the ranks and pads the last slice), the optimizer state of those slices,
-and ``fsdp_metadata``, which names the parameters inside each flat one. The NLLB recipe
-trains this way, so a run that switches to the plugin finds only such files.
+With ``--use-sharded-state`` every rank saves its own file, ``checkpoint_last-shard0.pt``,
+``-shard1.pt``, ...: its slice of each *flat* parameter (fairscale concatenates a unit's
+parameters into one 1-D tensor, splits it evenly over the ranks and pads the last slice),
+the optimizer state of those slices, and ``fsdp_metadata``, which names the parameters
+inside each flat one. The NLLB recipe trains this way, so a run that switches to the
+plugin finds only such files. :func:`consolidated_state` turns the set into what a stock
+single-file checkpoint holds: every parameter whole under its own name, and per-parameter
+optimizer state in the order of the model's parameters, which the trainer then loads and
+shards like any full checkpoint (same moments, same step: the resume continues the run).
 
-:func:`consolidated_state` turns the set into what a stock single-file checkpoint holds:
-every parameter whole under its own name, and per-parameter optimizer state in the order
-of the model's parameters, which the trainer then loads and shards like any full
-checkpoint (same moments, same step: the resume continues the stock run).
+Without it, stock saves one full file, also with ``fsdp_metadata``, whose optimizer state
+fairscale gathered unit by unit; :func:`in_model_order` re-indexes it in the model's order.
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Sequence
+from math import prod
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError, describe_shape_mismatch
+from fairseq_shard_plugin.checkpoint.errors import (
+    CheckpointLoadError,
+    describe_shape_mismatch,
+    first_cause,
+)
 from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 
@@ -43,13 +49,16 @@ def is_rank_file_state(state: Any) -> bool:
     slices of flat parameters (a flat one, or one of another shape than its parameter)."""
     if not is_fairscale_state(state) or not isinstance(state.get("model"), dict):
         return False
-    for unit in state[METADATA_KEY].get("param_metadata", []):
-        for backing, entry in unit.get("params", {}).items():
-            stored = state["model"].get(f"{unit['fsdp_path']}.{backing}"
-                                        if unit["fsdp_path"] else backing)
-            if stored is not None and (len(entry["names"]) > 1
-                                       or tuple(stored.shape) != tuple(entry["shapes"][0])):
-                return True
+    try:
+        for unit in state[METADATA_KEY]["param_metadata"]:
+            for backing, entry in unit["params"].items():
+                stored = state["model"].get(f"{unit['fsdp_path']}.{backing}"
+                                            if unit["fsdp_path"] else backing)
+                if stored is not None and (len(entry["names"]) > 1
+                                           or tuple(stored.shape) != tuple(entry["shapes"][0])):
+                    return True
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return True  # not as fairscale writes it: putting it together says what is wrong
     return False
 
 
@@ -167,6 +176,20 @@ def consolidated_state(
     ``tied`` lists the names of each tied parameter (fairscale keeps one of them, and
     records some of the others).
     """
+    try:
+        return _consolidated_state(filename, state, read, model_shapes, param_names, tied)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as error:
+        # metadata or tensors not as fairscale writes them (a damaged or crafted file)
+        raise FairscaleShardsError(
+            f"{filename}: its fully_sharded set cannot be put together: "
+            f"{first_cause(error)}") from error
+
+
+def _consolidated_state(
+    filename: str, state: dict[str, Any], read: ReadState,
+    model_shapes: dict[str, torch.Size] | None, param_names: Sequence[str] | None,
+    tied: Sequence[Sequence[str]],
+) -> dict[str, Any]:
     world_size = _world_size(filename, state)
     files = rank_files(filename, world_size)
     states = [state if path.samefile(filename) else read(path) for path in files]
@@ -235,7 +258,9 @@ class _FlatSlot:
     """One flat parameter of one fairscale unit: where it lies in each rank's model state,
     its padding on each rank, and the parameters it holds."""
 
-    def __init__(self, path: str, backing: str, entries: list[dict[str, Any]]) -> None:
+    def __init__(self, filename: str, path: str, backing: str,
+                 entries: list[dict[str, Any]]) -> None:
+        self.filename = filename
         self.key = f"{path}.{backing}" if path else backing
         self.prefix = f"{path}." if path else ""
         self.paddings = [int(entry["padding"]) for entry in entries]
@@ -243,6 +268,12 @@ class _FlatSlot:
         self.names = [self.prefix + name for name in first["names"]]
         self.shapes = [tuple(shape) for shape in first["shapes"]]
         self.numels = [int(numel) for numel in first["numels"]]
+        sizes = [prod(shape) for shape in self.shapes]
+        if sizes != self.numels or len(self.names) != len(sizes):
+            raise FairscaleShardsError(
+                f"{filename}: the fsdp_metadata of {self.key} lists {len(self.names)} "
+                f"parameters of {sizes} elements by their shapes and {self.numels} by "
+                "their counts")
 
     def whole(self, slices: list[torch.Tensor]) -> torch.Tensor:
         """The flat parameter (or a state tensor laid out like it) from every rank's slice,
@@ -254,8 +285,8 @@ class _FlatSlot:
     def split(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         if flat.numel() != sum(self.numels):
             raise FairscaleShardsError(
-                f"{self.key} holds {flat.numel()} elements without padding, its parameters "
-                f"{sum(self.numels)}")
+                f"{self.filename}: {self.key} holds {flat.numel()} elements without padding, "
+                f"its parameters {sum(self.numels)}")
         pieces = flat.split(self.numels)
         return [(name, piece.view(shape))
                 for name, piece, shape in zip(self.names, pieces, self.shapes, strict=True)]
@@ -276,7 +307,7 @@ def _flat_slots(filename: str, states: list[dict[str, Any]]) -> list[_FlatSlot]:
                 "(an expert layer): the plugin shards dense models only")
         for backing in unit["params"]:
             entries = [rank_units[index]["params"][backing] for rank_units in units]
-            slots.append(_FlatSlot(unit["fsdp_path"], backing, entries))
+            slots.append(_FlatSlot(filename, unit["fsdp_path"], backing, entries))
     for slot in slots:
         for rank, rank_state in enumerate(states):
             if slot.key not in rank_state["model"]:
