@@ -243,3 +243,18 @@ def test_a_stock_set_exports_for_stock_tools_and_translates_with_the_plugin(
     assert hypotheses(from_export) == hypotheses(finished["plugin"])
     assert "checkpoint_last-shard0.pt: ok (rank 0 of 2 of fairseq's fully_sharded state, " \
         f"update {SAVED_AT}, epoch 1)" in finished["verify"].stdout
+
+
+def test_a_rank_file_without_the_gathered_optimizer_state_says_which_file_has_it(
+    stock_runs: dict,
+) -> None:
+    """The nllb branch names even its full files NAME-shardR.pt, and only rank 0's holds
+    the gathered optimizer state (the others hold -1)."""
+    if stock_runs["full"] is None:
+        pytest.skip("the full-format run is fp32 only")
+    full = read_checkpoint(stock_runs["full"] / "checkpoint_last.pt")
+    full["last_optimizer_state"] = -1
+    with pytest.raises(CheckpointLoadError) as refused:
+        in_model_order("checkpoint_last-shard1.pt", full, model_order(full))
+    assert "checkpoint_last-shard1.pt: holds no optimizer state" in str(refused.value)
+    assert "NAME-shard0.pt" in str(refused.value)

@@ -79,6 +79,11 @@ def in_model_order(filename: str, state: dict[str, Any], param_names: Sequence[s
     saved = state.get("last_optimizer_state")
     if saved is None:
         return result
+    if not isinstance(saved, dict):  # the nllb branch writes -1 into every rank's file but 0's
+        raise FairscaleShardsError(
+            f"{filename}: holds no optimizer state (fairseq's fully_sharded keeps the "
+            "gathered state in rank 0's file, NAME-shard0.pt): restore that file, or add "
+            "--reset-optimizer to start the optimizer afresh")
     if saved.get("uncollected_local_ids"):
         raise FairscaleShardsError(
             f"{filename}: fairscale left the optimizer state of some units out of it "

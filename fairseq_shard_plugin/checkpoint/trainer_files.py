@@ -152,8 +152,8 @@ def trainer_state_loader(
             raise CheckpointLoadError(f"{filename}: {problem}")
         if is_rank_file_state(state):
             state = _whole_fairscale_set(trainer, reset_optimizer, filename, state)
-        elif is_fairscale_state(state):  # a full one: its optimizer state in unit order
-            state = in_model_order(filename, state, _optimizer_param_names(trainer))
+        elif is_fairscale_state(state) and not reset_optimizer:  # full; its optimizer state
+            state = in_model_order(filename, state, _optimizer_param_names(trainer))  # by unit
         if is_sharded_index(state):
             state = _load_shards(trainer, reset_optimizer, filename, state)
         elif not reset_optimizer:
