@@ -476,11 +476,13 @@ def _checkpoints_mapped() -> Iterator[None]:
 def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., Any]:
     def load_checkpoint_to_cpu(path: str, arg_overrides: Any = None,
                                load_on_all_ranks: bool = False, **kwargs: Any) -> Any:
+        from fairseq_shard_plugin.checkpoint.fairscale_sets import (
+            is_rank_file_state,
+            read_rank_file,
+        )
         from fairseq_shard_plugin.checkpoint.fairscale_shards import (
             consolidated_state,
-            is_rank_file_state,
             modules_shared_by_config,
-            read_rank_file,
         )
         from fairseq_shard_plugin.checkpoint.sharded import is_sharded_index
 

@@ -31,13 +31,15 @@ from fairseq_shard_plugin.checkpoint.atomic_files import (
     write_atomically,
 )
 from fairseq_shard_plugin.checkpoint.errors import describe_unreadable
-from fairseq_shard_plugin.checkpoint.fairscale_shards import (
+from fairseq_shard_plugin.checkpoint.fairscale_sets import (
     METADATA_KEY,
     FairscaleShardsError,
-    consolidated_state,
     is_rank_file_state,
-    modules_shared_by_config,
     read_rank_file,
+)
+from fairseq_shard_plugin.checkpoint.fairscale_shards import (
+    consolidated_state,
+    modules_shared_by_config,
 )
 from fairseq_shard_plugin.checkpoint.integrity import (
     RESUME_HINT,

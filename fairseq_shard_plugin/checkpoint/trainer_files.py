@@ -17,13 +17,13 @@ from fairseq_shard_plugin.checkpoint.errors import (
     describe_shape_mismatch,
     state_dict_shapes,
 )
-from fairseq_shard_plugin.checkpoint.fairscale_shards import (
-    consolidated_state,
-    in_model_order,
+from fairseq_shard_plugin.checkpoint.fairscale_sets import (
     is_fairscale_state,
     is_rank_file_state,
     read_rank_file,
+    saved_world_size,
 )
+from fairseq_shard_plugin.checkpoint.fairscale_shards import consolidated_state, in_model_order
 from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
 from fairseq_shard_plugin.checkpoint.portable import stored_languages
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
@@ -127,7 +127,8 @@ def verify_full_checkpoint(filename: str) -> None:
 
 
 def trainer_state_loader(
-    trainer: Any, reset_optimizer: bool
+    trainer: Any, reset_optimizer: bool,
+    record_saved_ranks: Callable[[dict[str, Any], int], None],
 ) -> Callable[[str, dict[str, Any]], dict[str, Any]]:
     """For fairseq's loader (hook 6): the state the trainer loads from a checkpoint's contents.
 
@@ -136,6 +137,9 @@ def trainer_state_loader(
     whole set's full state (``fairscale_shards``); a full checkpoint written without the
     plugin has its optimizer state adopted when it fits (``stock_optimizer_state``). A file
     without optimizer state is refused unless the optimizer is reset (a fine-tune).
+    ``record_saved_ranks`` notes in the extra state how many ranks saved a stock
+    ``fully_sharded`` checkpoint (its config says; the trainer then converts the data
+    position for this run's ranks).
     """
 
     def load(filename: str, state: dict[str, Any]) -> dict[str, Any]:
@@ -150,6 +154,8 @@ def trainer_state_loader(
             stored_languages(state), getattr(getattr(trainer, "task", None), "langs", None))
         if problem:  # a multilingual checkpoint resumed or fine-tuned with other languages
             raise CheckpointLoadError(f"{filename}: {problem}")
+        if is_fairscale_state(state) and isinstance(state.get("extra_state"), dict):
+            record_saved_ranks(state["extra_state"], saved_world_size(filename, state))
         if is_rank_file_state(state):
             state = _whole_fairscale_set(trainer, reset_optimizer, filename, state)
         elif is_fairscale_state(state) and not reset_optimizer:  # full; its optimizer state

@@ -19,7 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from fairseq_shard_plugin.checkpoint.errors import describe_unreadable
-from fairseq_shard_plugin.checkpoint.fairscale_shards import is_rank_file_state, rank_in_name
+from fairseq_shard_plugin.checkpoint.fairscale_sets import (
+    is_rank_file_state,
+    rank_in_name,
+    rank_zero_file,
+    set_problem,
+)
 from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
@@ -80,7 +85,15 @@ def check(path: Path) -> Verdict:
         damaged = damaged_zip_entries(path)
         if damaged:
             return Verdict(path, False, corruption_message(path, damaged))
-        kind = _rank_file_kind(path, state) if is_rank_file_state(state) else "full"
+        kind = "full"
+        if is_rank_file_state(state):
+            kind = _rank_file_kind(path, state)
+            first = rank_zero_file(path)
+            problem = set_problem(first) if first is not None and first.is_file() else (
+                f"{path}: one rank's share of fairseq's fully_sharded state without its "
+                "set's NAME-shard0.pt beside it")
+            if problem:
+                return Verdict(path, False, problem)
     updates, position = _position(state)
     if "last_optimizer_state" not in state:
         return Verdict(path, True, f"{path}: ok ({kind}, {position}; no optimizer state: an "

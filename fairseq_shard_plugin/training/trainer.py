@@ -28,7 +28,7 @@ from fairseq_shard_plugin.checkpoint.errors import (
     first_cause,
     state_dict_shapes,
 )
-from fairseq_shard_plugin.checkpoint.fairscale_shards import first_rank_file
+from fairseq_shard_plugin.checkpoint.fairscale_sets import first_rank_file
 from fairseq_shard_plugin.checkpoint.portable import languages_as_lists, with_plain_config
 from fairseq_shard_plugin.checkpoint.sharded import ShardedCheckpointError
 from fairseq_shard_plugin.checkpoint.space import full_state_bytes, space_report
@@ -368,7 +368,7 @@ class ShardedTrainer(Trainer):
             if index is None:
                 verify_full_checkpoint(filename)
             with implicit_replication(), loading_full_tensors_into_shards(self._model), \
-                    loading_into_trainer(trainer_state_loader(self, reset_optimizer)):
+                    loading_into_trainer(trainer_state_loader(self, reset_optimizer, record_ranks)):
                 extra_state = super().load_checkpoint(filename, *args, **kwargs)
         except ShardedCheckpointError as error:
             raise CheckpointLoadError(str(error)) from error
