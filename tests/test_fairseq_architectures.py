@@ -83,16 +83,18 @@ CASES = [
     Case("lstm", ("--encoder-layers", "2", "--decoder-layers", "2",
                   "--encoder-embed-dim", "16", "--encoder-hidden-size", "16",
                   "--decoder-embed-dim", "16", "--decoder-hidden-size", "16",
-                  "--decoder-out-embed-dim", "16"),
-         # the encoder's nn.LSTM (decoder cells run per time step: root); and a configuration
-         # written for a cluster, run on one node
+                  "--decoder-out-embed-dim", "16", "--share-all-embeddings"),
+         # the encoder's nn.LSTM (decoder cells run per time step: root); the shared
+         # embedding, whose weight the decoder reads outside the module (kept gathered);
+         # and a configuration written for a cluster, run on one node
          layer_units=1, task="sharded_translation", extra=("--shard-strategy", "hybrid")),
     # repeated blocks (not transformer layers: sharded after the build) two per unit
     Case("lightconv_iwslt_de_en", ("--encoder-layers", "2", "--decoder-layers", "2",
                                    *small("encoder", "decoder"),
                                    "--encoder-conv-dim", "16", "--decoder-conv-dim", "16",
                                    "--encoder-kernel-size-list", "[3, 3]",
-                                   "--decoder-kernel-size-list", "[3, 3]"),
+                                   "--decoder-kernel-size-list", "[3, 3]",
+                                   "--share-decoder-input-output-embed"),
          task="sharded_translation", extra=("--layers-per-unit", "2"), layer_units=2),
     Case("transformer_align", (*TRANSFORMER, "--alignment-layer", "1"),
          extra=("--load-alignments", "--criterion",

@@ -50,6 +50,7 @@ class ShardUnit:
     modules: tuple[nn.Module, ...]
     reshard_after_forward: bool = True
     vocabulary: bool = False  # token embeddings / output projection (the largest unit)
+    kept_gathered_because: str = ""  # why it stays gathered whatever the policy says
 
 
 @dataclass(frozen=True)
@@ -178,12 +179,32 @@ def build_plan(model: nn.Module, reshard: ReshardPolicy | None = None,
                   reshard_after_forward=reshard.layers)
         for group in group_layers(layers, layers_per_unit)
     ]
-    vocabulary = [
-        ShardUnit("+".join(n for n, _ in group), tuple(m for _, m in group), vocabulary=True,
-                  reshard_after_forward=reshard.vocabulary)
-        for group in _group_by_shared_parameters(candidates)
-    ]
+    vocabulary = []
+    for group in _group_by_shared_parameters(candidates):
+        modules = tuple(m for _, m in group)
+        reader = _reads_weight_outside(model, modules)
+        vocabulary.append(ShardUnit(
+            "+".join(n for n, _ in group), modules, vocabulary=True,
+            reshard_after_forward=reshard.vocabulary and not reader,
+            kept_gathered_because=(f"{reader} multiplies by its weight outside the module"
+                                   if reader else "")))
     return ShardingPlan(units=tuple(layer_units + vocabulary), root=root)
+
+
+def _reads_weight_outside(model: nn.Module, modules: tuple[nn.Module, ...]) -> str:
+    """The name of a decoder that computes its output with the embedding weight of
+    ``modules`` directly (fairseq's ``share_input_output_embed`` without an output module:
+    ``F.linear(x, self.embed_tokens.weight)`` in the LSTM and LightConv decoders), else "".
+    FSDP2 gathers a unit's parameters only around its modules' forwards, so such a unit
+    must stay gathered from its forward to its backward (its gradient is still reduced
+    once, after both uses)."""
+    if not all(isinstance(module, nn.Embedding) for module in modules):
+        return ""  # an output module of the unit holds the weight: its forward gathers it
+    for name, module in model.named_modules():
+        if getattr(module, "share_input_output_embed", False) is True and any(
+                getattr(module, "embed_tokens", None) is unit_module for unit_module in modules):
+            return name
+    return ""
 
 
 def parameter_count(modules: Iterable[nn.Module]) -> int:
@@ -202,6 +223,8 @@ def describe_plan(plan: ShardingPlan) -> str:
     parts = [f"{len(blocks)} layer units ({_span(blocks)})" if blocks else "no layer units"]
     if vocabulary:
         parts.append(f"vocabulary units {', '.join(vocabulary)}")
+    parts += [f"{unit.name} kept gathered from forward to backward ({unit.kept_gathered_because})"
+              for unit in plan.units if unit.kept_gathered_because]
     root_share = 1 - in_units / total if total else 0.0
     line = f"{'; '.join(parts)}; the root unit holds {root_share:.0%} of {total:,} parameters"
     if not blocks:
