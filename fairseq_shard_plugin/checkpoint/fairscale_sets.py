@@ -60,9 +60,10 @@ def is_rank_file_state(state: Any) -> bool:
     return False
 
 
-def slot_key(unit: dict[str, Any], backing: str) -> str:
-    """The model-state name of a unit's flat (or unflattened) parameter ``backing``."""
-    return f"{unit['fsdp_path']}.{backing}" if unit["fsdp_path"] else backing
+def slot_key(unit: dict[str, Any], name: str) -> str:
+    """``name`` (a unit's flat parameter, or a parameter it holds) under the unit's path:
+    its name in the model's state."""
+    return f"{unit['fsdp_path']}.{name}" if unit["fsdp_path"] else name
 
 
 def rank_in_name(filename: str | Path) -> int | None:

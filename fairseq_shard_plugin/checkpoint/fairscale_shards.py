@@ -50,8 +50,7 @@ def in_model_order(filename: str, state: dict[str, Any], param_names: Sequence[s
         raise FairscaleShardsError(
             f"{filename}: fairscale left the optimizer state of some units out of it "
             "(expert layers): add --reset-optimizer to start the optimizer afresh")
-    gathered = [f"{unit['fsdp_path']}.{name}" if unit["fsdp_path"] else name
-                for unit in state[METADATA_KEY]["param_metadata"]
+    gathered = [slot_key(unit, name) for unit in state[METADATA_KEY]["param_metadata"]
                 for entry in unit["params"].values() for name in entry["names"]]
     by_name = {gathered[index]: entry for index, entry in saved.get("state", {}).items()
                if isinstance(index, int) and index < len(gathered)}
@@ -101,7 +100,7 @@ def consolidated_state(
     records some of the others).
     """
     try:
-        files, states = set_members(filename, state, read)
+        _, states = set_members(filename, state, read)
         slots = _flat_slots(filename, states)
         model = _whole_model(states, slots, tied)
     except FairscaleShardsError:
