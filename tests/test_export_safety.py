@@ -100,15 +100,16 @@ def test_a_resume_from_a_file_without_optimizer_state_is_refused_unless_reset(
     over the checkpoints of updates 1, 2, ...; a fine-tune (optimizer reset) is fine."""
     from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError
     from fairseq_shard_plugin.checkpoint.trainer_files import trainer_state_loader
+    from fairseq_shard_plugin.training.data_position import record_ranks
 
     export = consolidate.export_consolidated(save_dir, save_dir.parent / "model.pt")
     state = torch.load(export, weights_only=True)
     with pytest.raises(CheckpointLoadError, match=(
             f"{export}: holds no optimizer state .*: to train from its weights, give "
             f"--finetune-from-model {export} \\(or --reset-optimizer\\)")) as refused:
-        trainer_state_loader(None, reset_optimizer=False)(str(export), state)
+        trainer_state_loader(None, False, record_ranks)(str(export), state)
     assert "\n" not in str(refused.value)
-    assert trainer_state_loader(None, reset_optimizer=True)(str(export), state) is state
+    assert trainer_state_loader(None, True, record_ranks)(str(export), state) is state
 
 
 def test_a_damaged_source_is_named_with_advice_for_an_export_not_a_resume(
