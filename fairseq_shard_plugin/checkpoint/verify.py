@@ -56,7 +56,7 @@ def _position(state: Any) -> tuple[int, str]:
 
 def _rank_file_kind(path: Path, state: dict[str, Any]) -> str:
     """How one rank's file of stock ``fully_sharded``'s state is described: which rank of
-    how many (every file of the set is needed, and each is checked on its own)."""
+    how many (every file of the set is needed: :func:`check` also judges the set)."""
     ranks = ((state.get("cfg") or {}).get("distributed_training") or {}).get(
         "distributed_world_size", "?")
     rank = rank_in_name(path)

@@ -361,7 +361,7 @@ class ShardedTrainer(Trainer):
         stock_shards = first_rank_file(filename)
         if stock_shards:  # fairseq's own fully_sharded saved these; stock would skip them
             logger.info(f"{filename} does not exist: continuing from {stock_shards}, written "
-                        "by fairseq's own --ddp-backend fully_sharded (--use-sharded-state)")
+                        "by fairseq's own --ddp-backend fully_sharded")
             filename = stock_shards
         try:
             index = read_sharded_index(filename)
