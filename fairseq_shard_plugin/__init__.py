@@ -26,8 +26,9 @@ __version__ = "0.1.0"
 def activate() -> None:
     """What loading the user dir does: register, allow fairseq's checkpoint config types in
     ``weights_only`` loading, install the hooks, hide fairseq's known-harmless deprecation
-    warnings (each step idempotent)."""
+    warnings, report the plugin's errors in one line (each step idempotent)."""
     from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
+    from fairseq_shard_plugin.errors import report_in_one_line
     from fairseq_shard_plugin.fairseq_integration import install
     from fairseq_shard_plugin.tasks import register
     from fairseq_shard_plugin.training.harmless_warnings import hide_harmless_warnings
@@ -36,6 +37,7 @@ def activate() -> None:
     allow_fairseq_checkpoint_types()
     install()
     hide_harmless_warnings()
+    report_in_one_line()
 
 
 def names_this_plugin(user_dir: str) -> bool:

@@ -246,11 +246,15 @@ def test_a_stock_set_exports_for_stock_tools_and_translates_with_the_plugin(
     """``fairseq-shard-consolidate`` of any file of the set writes one standard checkpoint
     that stock fairseq-generate (never importing the plugin) translates; fairseq-generate
     with the plugin translates the set itself alike (stock fairseq 0.12 cannot: its
-    ``--checkpoint-shard-count`` path fails on the sinusoidal positions' buffer names).
-    fairseq-shard-verify names each file's rank."""
+    ``--checkpoint-shard-count`` path fails on the sinusoidal positions' buffer names), and
+    refuses a broken set in one line. fairseq-shard-verify names each file's rank."""
     stock_save_dir = once(stock_runs)
     export = tmp_path / "model.pt"
+    broken = tmp_path / "broken"
+    shutil.copytree(stock_save_dir, broken)
+    (broken / "checkpoint_last-shard1.pt").unlink()
     finished = run_concurrently({
+        "broken": generate_command(corpus, broken / "checkpoint_last-shard0.pt"),
         "export": [tool("fairseq-shard-consolidate"),
                    str(stock_save_dir / "checkpoint_last-shard1.pt"), str(export)],
         "verify": [tool("fairseq-shard-verify"), str(stock_save_dir)],
@@ -263,6 +267,10 @@ def test_a_stock_set_exports_for_stock_tools_and_translates_with_the_plugin(
     assert hypotheses(from_export) == hypotheses(finished["plugin"])
     assert "checkpoint_last-shard0.pt: ok (rank 0 of 2 of fairseq's fully_sharded state, " \
         f"update {SAVED_AT}, epoch 1)" in finished["verify"].stdout
+    # a broken set: fairseq-generate ends in the plugin's one line, not a traceback
+    assert finished["broken"].returncode != 0 and "Traceback" not in finished["broken"].stderr
+    assert finished["broken"].stderr.strip().splitlines()[-1].startswith(
+        f"fairseq-shard-plugin: error: {broken / 'checkpoint_last-shard0.pt'}: saved by 2 ranks")
 
 
 def test_a_rank_file_without_the_gathered_optimizer_state_says_which_file_has_it(
