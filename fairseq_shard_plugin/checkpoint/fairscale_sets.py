@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from functools import lru_cache
 from math import prod
 from pathlib import Path
@@ -110,7 +111,8 @@ def saved_world_size(filename: str | Path, state: dict[str, Any]) -> int:
     return size
 
 
-def set_members(filename: str, state: dict[str, Any], read: Any = read_rank_file
+def set_members(filename: str, state: dict[str, Any],
+                read: Callable[[Path], dict[str, Any]] = read_rank_file,
                 ) -> tuple[list[Path], list[dict[str, Any]]]:
     """The files of the set ``filename`` (any one of them; ``state`` is its content) and
     their states, rank by rank, checked to be one save: each file in its rank's place
@@ -124,7 +126,7 @@ def set_members(filename: str, state: dict[str, Any], read: Any = read_rank_file
     world_size = saved_world_size(filename, state)
     directory = Path(filename).parent
     present = {rank_in_name(path) for path in directory.glob(
-        f"{glob_escape(match['stem'])}-shard*{match['extension']}") if path.is_file()}
+        f"{_glob_escape(match['stem'])}-shard*{match['extension']}") if path.is_file()}
     if world_size > len(present):  # (a recorded size may be anything: never count up to it)
         missing = [rank for rank in range(min(world_size, len(present) + _MISSING_SHOWN))
                    if rank not in present]
@@ -145,7 +147,7 @@ def set_members(filename: str, state: dict[str, Any], read: Any = read_rank_file
     return files, states
 
 
-def glob_escape(text: str) -> str:
+def _glob_escape(text: str) -> str:
     """``text`` with glob's special characters taken literally."""
     return re.sub(r"([*?\[])", r"[\1]", text)
 
@@ -162,7 +164,6 @@ def _check_one_save(filename: str, files: list[Path], states: list[dict[str, Any
             "distributed_rank")
 
     units = _units(states[0])
-    _check_counts(filename, states)
     for rank, (path, rank_state) in enumerate(zip(files, states, strict=True)):
         if not is_rank_file_state(rank_state):
             raise FairscaleShardsError(
@@ -180,6 +181,7 @@ def _check_one_save(filename: str, files: list[Path], states: list[dict[str, Any
             raise FairscaleShardsError(
                 f"{filename}: {path.name} describes other units or parameters than "
                 f"{files[0].name}: the files are not one model's")
+    _check_counts(filename, states)
 
 
 def _check_counts(filename: str, states: list[dict[str, Any]]) -> None:
