@@ -188,14 +188,14 @@ def _legacy_inference_state(path: Path, dtype: torch.dtype | None) -> dict[str, 
     return _resident_inference_state(state, dtype)
 
 
-def _rank_files_inference_state(path: Path, pickled: dict[str, Any],
-                                dtype: torch.dtype | None) -> dict[str, Any]:
+def _rank_files_inference_state(path: Path, dtype: torch.dtype | None) -> dict[str, Any]:
     """Stock ``fully_sharded``'s per-rank files (``NAME-shard0.pt``, ...; any one of them
-    names the set, ``pickled`` is its state on the meta device) put together in memory:
-    each holds slices of flat parameters, so there is no whole tensor to stream."""
+    names the set; ``path`` already CRC-checked) put together in memory: each holds slices
+    of flat parameters, so there is no whole tensor to stream."""
     try:
-        state = consolidated_state(str(path), _load(path, "cpu"), read_rank_file, None, None,
-                                   modules_shared_by_config(pickled))
+        state = read_rank_file(path, check_crc=False)
+        state = consolidated_state(str(path), state, read_rank_file, None, None,
+                                   modules_shared_by_config(state))
     except FairscaleShardsError as error:
         raise ConsolidateError(str(error)) from error
     return _resident_inference_state(state, dtype)
@@ -312,7 +312,7 @@ def export_consolidated(
         state = _load(path, "meta")  # the pickle only: tensors on the meta device
         _require_fairseq_checkpoint(path, state)
         if is_rank_file_state(state):
-            exported, plan = _rank_files_inference_state(path, state, dtype), ResidentTensor
+            exported, plan = _rank_files_inference_state(path, dtype), ResidentTensor
         else:
             try:
                 exported, plan = _inference_plan(path, state, dtype)

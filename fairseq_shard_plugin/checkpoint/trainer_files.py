@@ -44,7 +44,7 @@ from fairseq_shard_plugin.checkpoint.stock_optimizer_state import (
     adopt_stock_optimizer_state,
     layout_problem,
 )
-from fairseq_shard_plugin.sharding.full_state import share_tied_tensors
+from fairseq_shard_plugin.sharding.full_state import share_tied_tensors, tied_parameter_names
 from fairseq_shard_plugin.sharding.options import checkpoint_format
 from fairseq_shard_plugin.tasks.multilingual_checks import language_order_problem
 
@@ -189,13 +189,10 @@ def _whole_fairscale_set(trainer: Any, reset_optimizer: bool, filename: str,
     file read and CRC-checked like a full checkpoint."""
     model = trainer.model
     param_names = None if reset_optimizer else _optimizer_param_names(trainer)
-    tied: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        tied.setdefault(id(param), []).append(name)
     whole = consolidated_state(filename, state, read_rank_file, state_dict_shapes(model),
-                               param_names, [group for group in tied.values() if len(group) > 1])
+                               param_names, tied_parameter_names(model))
     logger.info(f"{filename}: fairseq's fully_sharded state of "
-                f"{whole['cfg']['distributed_training']['distributed_world_size']} ranks "
+                f"{saved_world_size(filename, state)} ranks "
                 "(fairscale's flat shards), put together into whole parameters"
                 + ("" if reset_optimizer else " and per-parameter optimizer state"))
     return whole

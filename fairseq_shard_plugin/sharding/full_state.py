@@ -43,13 +43,21 @@ def share_tied_tensors(model_state: dict[str, Any], model: torch.nn.Module) -> d
     projection arrive as three objects; given one, :func:`gather_full_state` gathers it
     once and the checkpoint stores it once. Decided from the model's structure, the same on
     every rank."""
-    first_name: dict[int, str] = {}
     shared = dict(model_state)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        canonical = first_name.setdefault(id(param), name)
-        if canonical != name and name in shared and canonical in shared:
-            shared[name] = shared[canonical]
+    for canonical, *others in tied_parameter_names(model):
+        for name in others:
+            if name in shared and canonical in shared:
+                shared[name] = shared[canonical]
     return shared
+
+
+def tied_parameter_names(model: torch.nn.Module) -> list[list[str]]:
+    """The names of each parameter held under more than one name (a tied embedding and
+    output projection), the first in module order first."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def shard_like(full: torch.Tensor, param: DTensor) -> DTensor:
