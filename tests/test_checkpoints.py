@@ -237,8 +237,8 @@ def test_an_interrupted_write_leaves_the_old_file_and_is_cleaned_up(tmp_path: Pa
         write_atomically(target, fail_halfway)
     assert target.read_bytes() == b"complete old checkpoint"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_last.pt"]
-    leftover = tmp_path / ".checkpoint_1_30.pt.partial-999"  # as a SIGKILL leaves it
-    leftover.write_bytes(b"half")
+    leftover = tmp_path / f".checkpoint_1_30.pt.partial-{ended_process()}-0123456789ab"
+    leftover.write_bytes(b"half")  # as a SIGKILL leaves it
     assert remove_partial_files(tmp_path) == [leftover]
     assert not leftover.exists() and target.exists()
 
@@ -256,10 +256,9 @@ def test_a_write_never_goes_through_a_link_planted_under_a_temporary_name(
     write_atomically(target, lambda out: out.write(b"exported"))
     assert victim.read_text() == "precious" and target.read_bytes() == b"exported"
     assert not target.is_symlink()
-    # the links are leftovers: those of ended processes went with the write, the next
-    # save removes the rest; their target stays
+    # the links are not under names this plugin writes: a save leaves them and their target
     remove_partial_files(target.parent)
-    assert [p.name for p in target.parent.iterdir()] == ["model.pt"] and victim.exists()
+    assert victim.read_text() == "precious" and (target.parent / "model.pt").is_file()
 
 
 def test_a_write_removes_the_temporary_files_of_its_killed_predecessors_only(
@@ -267,17 +266,37 @@ def test_a_write_removes_the_temporary_files_of_its_killed_predecessors_only(
 ) -> None:
     """A killed export leaves .model.pt.partial-PID-*; the next write of model.pt removes
     it, but not a live process's write in progress, nor other names' files."""
+    dead, alive = ended_process(), os.getpid()
+    kept = [f".model.pt.partial-{alive}-2c3d4e5f6a7b", f".other.pt.partial-{dead}-4e5f6a7b8c9d",
+            f".model.pt.partial-{dead}", ".model.pt.partial-keep"]  # the last two: not ours
+    for name in [f".model.pt.partial-{dead}-0a1b2c3d4e5f", *kept]:
+        (tmp_path / name).write_bytes(b"half")
+    write_atomically(tmp_path / "model.pt", lambda out: out.write(b"whole"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model.pt", *kept])
+
+
+def test_a_save_removes_only_the_leftovers_of_killed_writes_from_its_directory(
+    tmp_path: Path,
+) -> None:
+    """A save cleans its directory of this plugin's temporary files whose process is gone;
+    an export still being written beside the run (a live process's temporary file) and
+    other programs' files that look alike stay (they were deleted, and exports failed)."""
+    dead, alive = ended_process(), os.getpid()
+    removed = [tmp_path / f".checkpoint_2_40.pt.partial-{dead}-0a1b2c3d4e5f",
+               tmp_path / f".model.pt.partial-{dead}-ffffffffffff"]
+    kept = [f".model.pt.partial-{alive}-0a1b2c3d4e5f", ".rsync-notes.partial-keep",
+            f".notes.partial-{dead}", f".model.pt.partial-{dead}-0A1B2C3D4E5F"]
+    for path in [*removed, *(tmp_path / name for name in kept)]:
+        path.write_bytes(b"half")
+    assert sorted(remove_partial_files(tmp_path)) == sorted(removed)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+
+
+def ended_process() -> int:
+    """The process id of a process that has ended."""
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                               capture_output=True, text=True, check=True)
-    dead, alive = int(finished.stdout), os.getpid()
-    leftovers = {name: tmp_path / name for name in (
-        f".model.pt.partial-{dead}-0a1b", f".model.pt.partial-{dead}",
-        f".model.pt.partial-{alive}-2c3d", f".other.pt.partial-{dead}-4e5f")}
-    for path in leftovers.values():
-        path.write_bytes(b"half")
-    write_atomically(tmp_path / "model.pt", lambda out: out.write(b"whole"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
-        "model.pt", f".model.pt.partial-{alive}-2c3d", f".other.pt.partial-{dead}-4e5f"])
+    return int(finished.stdout)
 
 
 @pytest.mark.parametrize("checkpoint_format", ["sharded", "full"])

@@ -24,6 +24,10 @@ from typing import BinaryIO
 from fairseq_shard_plugin.errors import ShardPluginError
 
 _PARTIAL_MARK = ".partial-"
+_RANDOM_HEX_DIGITS = 12
+_LEFTOVER_NAME = re.compile(  # what _create_partial_file names
+    r"\.(?P<name>.+)" + re.escape(_PARTIAL_MARK)
+    + rf"(?P<pid>[0-9]+)-[0-9a-f]{{{_RANDOM_HEX_DIGITS}}}")
 _COPY_CHUNK = 1 << 20
 
 
@@ -34,7 +38,7 @@ def _create_partial_file(path: Path) -> tuple[Path, BinaryIO]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(100):
         temporary = path.with_name(
-            f".{path.name}{_PARTIAL_MARK}{os.getpid()}-{secrets.token_hex(6)}")
+            f".{path.name}{_PARTIAL_MARK}{os.getpid()}-{secrets.token_hex(_RANDOM_HEX_DIGITS // 2)}")
         try:  # (an opener keeps the file object's name the path, as open() gives it)
             return temporary, open(temporary, "wb",  # the caller closes it
                                    opener=lambda name, _: os.open(name, flags, 0o666))
@@ -96,14 +100,21 @@ def _process_is_gone(pid: int) -> bool:
     return False
 
 
+def _leftover_of_ended_write(leftover: Path, name: str | None = None) -> bool:
+    """Whether ``leftover`` is a temporary file (or a link under such a name) that a write of
+    this module left (``.NAME.partial-PID-RANDOM``, of ``name`` where given) and whose process
+    has ended: another program's file, or a live process's write in progress, is not."""
+    match = _LEFTOVER_NAME.fullmatch(leftover.name)
+    return bool(match and (name is None or match["name"] == name)
+                and (leftover.is_symlink() or leftover.is_file())
+                and _process_is_gone(int(match["pid"])))
+
+
 def remove_stale_partial_files(path: Path) -> None:
     """Delete the temporary files of earlier writes of ``path`` whose process has ended (a
     killed export or save); a live process's write in progress is left alone."""
-    pattern = re.compile(re.escape(f".{path.name}{_PARTIAL_MARK}") + r"([0-9]+)(-[0-9a-f]+)?")
     for leftover in path.parent.glob(f".{glob.escape(path.name)}{_PARTIAL_MARK}*"):
-        match = pattern.fullmatch(leftover.name)
-        if match and _process_is_gone(int(match[1])) and (
-                leftover.is_symlink() or leftover.is_file()):
+        if _leftover_of_ended_write(leftover, path.name):
             leftover.unlink(missing_ok=True)
 
 
@@ -145,13 +156,14 @@ def copy_atomically(source: str | Path, destination: str | Path) -> None:
 
 
 def remove_partial_files(directory: str | Path) -> list[Path]:
-    """Delete temporary files left by writes that a crash interrupted (and links under such
-    names: removing a link leaves its target alone); return them."""
+    """Delete the temporary files that writes of this module left in ``directory`` when
+    their process was killed (and links under such names: removing a link leaves its
+    target alone); return them. Other programs' files, and the temporary files of writes
+    still in progress (an export beside a training run), are left alone."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    leftovers = [p for p in directory.iterdir() if p.name.startswith(".")
-                 and _PARTIAL_MARK in p.name and (p.is_symlink() or p.is_file())]
+    leftovers = [p for p in directory.iterdir() if _leftover_of_ended_write(p)]
     for leftover in leftovers:
         leftover.unlink(missing_ok=True)
     return leftovers
