@@ -58,6 +58,14 @@ CHECKED = {
     "--save-on-signal: SIGFOO is not a signal": [
         "--task", "sharded_translation", "--save-on-signal", "usr1,foo"],
     "--restore-file /nowhere/model.pt: no such file": ["--restore-file", "/nowhere/model.pt"],
+    # a directory: fairseq would find no checkpoint in it and train from scratch, exit 0
+    f"--restore-file {Path(__file__).parent} is a directory (fairseq would train from "
+    "scratch without a word): give a checkpoint file in it": [
+        "--restore-file", str(Path(__file__).parent)],
+    f"--finetune-from-model {Path(__file__).parent} is a directory": [
+        "--finetune-from-model", str(Path(__file__).parent)],
+    "--finetune-from-model /nowhere/nllb.pt: no such file: give the path of an existing "
+    "checkpoint file": ["--finetune-from-model", "/nowhere/nllb.pt"],
     "--memory-efficient-bf16 keeps the shards in 16 bits, which only --optimizer adam": [
         "--memory-efficient-bf16", "--optimizer", "sgd"],
     "--loss-chunk-tokens 0: give at least 1": [

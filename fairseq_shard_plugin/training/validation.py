@@ -173,17 +173,33 @@ def unwritable_file(target: str) -> str | None:
 
 
 def _check_restore_file(checkpoint_cfg: Any) -> None:
-    """An explicit ``--restore-file`` that does not exist: fairseq would log "No existing
-    checkpoint found" and train from scratch, which is never what naming a file meant."""
+    """An explicit ``--restore-file`` (or, on a first launch, ``--finetune-from-model``) that
+    is not a file: fairseq would log "No existing checkpoint found" and train from scratch
+    (for a directory too), which is never what naming a checkpoint meant, or stop with a
+    traceback on every rank."""
+    suffix = checkpoint_cfg.checkpoint_suffix or ""
     restore = checkpoint_cfg.restore_file
-    if restore == "checkpoint_last.pt" or "://" in restore:  # the save dir's own, or remote
-        return
-    path = restore.replace(".pt", f"{checkpoint_cfg.checkpoint_suffix or ''}.pt")
-    if not os.path.exists(path):
+    if restore != "checkpoint_last.pt" and "://" not in restore:  # not the save dir's own
+        _check_checkpoint_file("--restore-file", restore.replace(".pt", f"{suffix}.pt"),
+                               "an existing checkpoint, or leave --restore-file out to "
+                               "resume from the save dir's checkpoint_last.pt")
+    finetune = getattr(checkpoint_cfg, "finetune_from_model", None)
+    last = os.path.join(checkpoint_cfg.save_dir, f"checkpoint_last{suffix}.pt")
+    if finetune and "://" not in finetune and not os.path.exists(last):  # fairseq reads it
+        _check_checkpoint_file("--finetune-from-model", finetune,
+                               "the path of an existing checkpoint file")
+
+
+def _check_checkpoint_file(flag: str, path: str, advice: str) -> None:
+    if os.path.isdir(path):
+        inside = sorted(Path(path).glob("*.pt"))
+        example = os.path.join(path, "checkpoint_last.pt") if (
+            Path(path) / "checkpoint_last.pt").is_file() or not inside else str(inside[0])
         raise ShardingConfigError(
-            f"--restore-file {path}: no such file (fairseq would train from scratch without "
-            "a word): give an existing checkpoint, or leave --restore-file out to resume "
-            "from the save dir's checkpoint_last.pt")
+            f"{flag} {path} is a directory (fairseq would train from scratch without a "
+            f"word): give a checkpoint file in it, such as {example}")
+    if not os.path.exists(path):
+        raise ShardingConfigError(f"{flag} {path}: no such file: give {advice}")
 
 
 def _check_parallelism_and_launch(cfg: Any) -> None:
