@@ -37,8 +37,8 @@ def _create_partial_file(path: Path) -> tuple[Path, BinaryIO]:
     file or symlink planted under that name is never written through."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(100):
-        temporary = path.with_name(
-            f".{path.name}{_PARTIAL_MARK}{os.getpid()}-{secrets.token_hex(_RANDOM_HEX_DIGITS // 2)}")
+        random = secrets.token_hex(_RANDOM_HEX_DIGITS // 2)
+        temporary = path.with_name(f".{path.name}{_PARTIAL_MARK}{os.getpid()}-{random}")
         try:  # (an opener keeps the file object's name the path, as open() gives it)
             return temporary, open(temporary, "wb",  # the caller closes it
                                    opener=lambda name, _: os.open(name, flags, 0o666))

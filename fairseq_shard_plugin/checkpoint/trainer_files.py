@@ -173,7 +173,22 @@ def trainer_state_loader(
             _refuse_misfit_optimizer_state(filename, state, trainer.optimizer.params)
         return state
 
-    return load
+    def load_naming_the_model_first(filename: str, state: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return load(filename, state)
+        except CheckpointLoadError:  # optimizer state of another model: the model is why
+            saved = state.get("model")
+            if isinstance(saved, dict) and not (is_sharded_index(state)
+                                                or is_rank_file_state(state)):
+                problem = describe_shape_mismatch(
+                    filename, {name: tuple(tensor.shape) for name, tensor in saved.items()
+                               if isinstance(tensor, torch.Tensor)},
+                    state_dict_shapes(trainer._model))
+                if problem:
+                    raise CheckpointLoadError(problem) from None
+            raise
+
+    return load_naming_the_model_first
 
 
 def _optimizer_param_names(trainer: Any) -> list[str]:

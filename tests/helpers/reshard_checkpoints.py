@@ -5,10 +5,11 @@ Usage: torchrun ... reshard_checkpoints.py REPORT.json SPEC.json [fairseq args..
 SPEC holds ``exact`` (checkpoints, full or sharded, whose gathered model and optimizer
 state must equal the file's), ``broken`` (checkpoints that must fail with one line and
 change nothing), ``other_arch`` (extra fairseq args for a second model that must refuse
-``exact[0]``), ``other_vocab`` (a data directory whose dictionary differs, for a model
-that must refuse ``exact[0]``) and ``write`` (where to save the last exact checkpoint
-again, from this world size). The reference for "equal" is the file read in one process
-(``consolidate.read_full_state``, which gathers sharded checkpoints itself).
+``exact[0]``, and ``exact[1]`` where given), ``other_vocab`` (a data directory whose
+dictionary differs, for a model that must refuse ``exact[0]``) and ``write`` (where to
+save the last exact checkpoint again, from this world size). The reference for "equal" is
+the file read in one process (``consolidate.read_full_state``, which gathers sharded
+checkpoints itself).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def main() -> None:
     if spec.get("other_arch"):
         other, _, _ = build_trainer(fairseq_args + spec["other_arch"])
         report["other_arch"] = refused(other, spec["exact"][0])
+        if len(spec["exact"]) > 1:  # a full checkpoint (its optimizer state misfits too)
+            report["other_arch_full"] = refused(other, spec["exact"][1])
     if spec.get("other_vocab"):
         other, _, _ = build_trainer([spec["other_vocab"], *fairseq_args[1:]])
         report["other_vocab"] = refused(other, spec["exact"][0])
