@@ -17,7 +17,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    layer builders (``transformer_encoder``, ``transformer_decoder``) call ``fsdp_wrap``,
    a sharded training's layer is sharded right away, as fairseq builds it (with the
    settings hook 4 records; under ``--layers-per-unit N`` once N layers of its stack
-   exist), so no rank ever holds the whole fp32 model.
+   exist), so no rank ever holds the whole fp32 model. Inside the context, a random fill
+   of a parameter already sharded draws the whole parameter (``sharding.sharded_init``):
+   BART draws every weight again once its layers exist.
 2. ``Trainer``: ``train.py`` constructs ``fairseq.trainer.Trainer`` by name; under
    ``fully_sharded`` it becomes :class:`~fairseq_shard_plugin.training.trainer.ShardedTrainer`.
    Under any other backend it stays fairseq's, subclassed only so that ``load_checkpoint``
@@ -229,9 +231,18 @@ def _is_plugin_hook(function: Any) -> bool:
 
 @contextlib.contextmanager
 def _no_fairscale_wrapping(distributed_cfg: Any, **kwargs: Any) -> Iterator[None]:
-    """Replaces ``fsdp_enable_wrap``: build plain layers; sharding happens in the trainer.
-    (The nllb branch passes ``is_moe=``; MoE models are refused before this point.)"""
-    yield
+    """Replaces ``fsdp_enable_wrap``, around fairseq's model build: build plain layers
+    (sharding happens as each layer is built, and in the trainer), with random fills of
+    layers already sharded drawn as an unsharded build draws them (``sharded_init``: BART
+    initialises every weight again once its layers exist). (The nllb branch passes
+    ``is_moe=``; MoE models are refused before this point.)"""
+    if settings_of_training() is None:
+        yield
+        return
+    from fairseq_shard_plugin.sharding.sharded_init import full_tensor_random_fills
+
+    with full_tensor_random_fills():
+        yield
 
 
 def _leave_unwrapped(module: Any, **kwargs: Any) -> Any:

@@ -175,8 +175,12 @@ def launches(fairseq_data: dict[str, Path], tmp_path_factory: pytest.TempPathFac
     def shape_job(ranks: int) -> Callable[[], dict]:
         return lambda: load_any_shape(ranks, tmp_path_factory.mktemp(f"shapes_{ranks}"))
 
+    bart = next(case for case in CASES if case.arch == "bart_base")
     return in_threads({**{case.arch: case_job(case) for case in CASES},
-                       **{f"shapes_{ranks}": shape_job(ranks) for ranks in (2, 3, 4)}},
+                       **{f"shapes_{ranks}": shape_job(ranks) for ranks in (2, 3, 4)},
+                       "bart_initial": lambda: initial_weights(
+                           bart, fairseq_data["translation"],
+                           tmp_path_factory.mktemp("bart_initial"))},
                       workers=3)
 
 
@@ -209,6 +213,36 @@ def test_resume_from_an_interval_checkpoint_matches_the_uninterrupted_run(
         hypotheses = re.findall(r"^H-\d+\t", runs.evaluation, re.MULTILINE)
         assert translated and len(hypotheses) == int(translated.group(1)) > 90, (
             runs.evaluation[-2000:])
+
+
+def initial_weights(case: Case, data: Path, save_dir: Path) -> dict[str, torch.Tensor]:
+    """The model's weights after one update at learning rate 0: those it was built with."""
+    train(case, data, save_dir, "--max-update", "1", "--optimizer", "sgd", "--lr", "0")
+    return torch.load(save_dir / "checkpoint_last.pt", weights_only=True)["model"]
+
+
+def test_a_model_that_initialises_its_sharded_layers_again_gets_stocks_weights(
+    fairseq_data: dict[str, Path], launches: dict[str, object]
+) -> None:
+    """BART draws every weight again once its layers exist (``init_bert_params``), when
+    they are already sharded: each rank drew the same numbers for its rows (a weight's
+    halves were equal on 2 ranks) and every later draw moved. The 2-rank run's weights
+    after an update at learning rate 0 are those of fairseq's build in one process."""
+    from fairseq import options, tasks, utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    saved = result_of(launches, "bart_initial")
+    assert isinstance(saved, dict)
+    bart = next(case for case in CASES if case.arch == "bart_base")
+    parser = options.get_training_parser()
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, [
+        str(fairseq_data["translation"]), "--arch", bart.arch, *bart.model, *LANGS,
+        *TRAIN, "--max-tokens", "500", "--task", bart.task]))
+    utils.set_torch_seed(cfg.common.seed)  # as fairseq_cli.train does before it builds
+    model = tasks.setup_task(cfg.task).build_model(cfg.model)
+    different = [name for name, tensor in model.state_dict().items()
+                 if name in saved and not torch.equal(saved[name], tensor)]
+    assert different == [] and len(saved) > 20, different
 
 
 def load_any_shape(ranks: int, work: Path) -> dict:
