@@ -22,6 +22,8 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    BART draws every weight again once its layers exist.
 2. ``Trainer``: ``train.py`` constructs ``fairseq.trainer.Trainer`` by name; under
    ``fully_sharded`` it becomes :class:`~fairseq_shard_plugin.training.trainer.ShardedTrainer`.
+   Before either is built (the first place that holds both), the plugin's chunked
+   criterion refuses a model it cannot compute its loss for.
    Under any other backend it stays fairseq's, subclassed only so that ``load_checkpoint``
    ends by copying what it keeps out of the mapped checkpoint file (hook 6 maps it; see
    ``training.private_state``): torch's optimizer keeps the loaded moments themselves.
@@ -284,6 +286,9 @@ def _layer_builder_modules() -> list[Any]:
 
 def _select_trainer(stock_trainer: type) -> Callable[..., Any]:
     def make_trainer(cfg: Any, task: Any, model: Any, criterion: Any, quantizer: Any = None) -> Any:
+        check_model = getattr(criterion, "refuse_unfit_model", None)  # the plugin's criterion
+        if callable(check_model):  # (the first place where fairseq has both)
+            check_model(model)
         if is_sharded_run(cfg):
             from fairseq_shard_plugin.training.trainer import ShardedTrainer
 

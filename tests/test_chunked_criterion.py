@@ -113,3 +113,36 @@ def test_sixteen_bit_weights_match_stock_and_keep_gradients_in_their_dtype() -> 
     for got, expected in ((features_b, features_a), (weight_b, weight_a)):
         scale = float(expected.float().abs().max())
         torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=0.02 * scale)
+
+
+@pytest.mark.parametrize("model_args", [
+    ["--arch", "lstm", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+     "--decoder-out-embed-dim", "16"],
+    ["--arch", "fconv_iwslt_de_en", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+     "--decoder-out-embed-dim", "16"],
+    [*SMALL, "--adaptive-softmax-cutoff", "20"],
+], ids=["lstm", "fconv", "adaptive softmax"])
+def test_a_model_without_features_before_a_linear_projection_is_refused_before_training(
+    corpus: Path, model_args: list[str]
+) -> None:
+    """These models failed at update 1 in a traceback (lstm's decoder takes no
+    features_only): refused in one line where fairseq first holds model and criterion,
+    before a trainer exists."""
+    from fairseq_shard_plugin.errors import ShardingConfigError
+    from fairseq_shard_plugin.fairseq_integration import _select_trainer
+
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(corpus), *model_args, "--criterion", "chunked_label_smoothed_cross_entropy",
+        "--label-smoothing", "0.1", "--optimizer", "adam", "--lr", "1e-3"])
+    task = tasks.setup_task(args)
+    model, criterion = task.build_model(args), task.build_criterion(args)
+
+    class NoTrainer:
+        def __init__(self, *args: object) -> None:
+            raise AssertionError("a trainer was built")
+
+    with pytest.raises(ShardingConfigError, match=(
+            "^--criterion chunked_label_smoothed_cross_entropy needs a decoder that returns "
+            f"its features before a linear output_projection .*; {type(model).__name__}'s "
+            "does not: use --criterion label_smoothed_cross_entropy$")):
+        _select_trainer(NoTrainer)(args, task, model, criterion)

@@ -51,6 +51,7 @@ REFUSED = {
 # checked in this process: the message names the flag
 CHECKED = {
     "--store-ema": ["--store-ema"],
+    "--quant-noise-pq rewrites weights inside forward": ["--quant-noise-pq", "0.1"],
     "--zero-sharding": ["--zero-sharding", "os"],
     "--base-layers": ["--base-layers", "1"],
     "--fp32-reduce-scatter and --reduce-in-16-bit": [

@@ -7,6 +7,7 @@ method of the output projection, so FSDP gathers its weight once for all chunks 
 reduce-scatters its gradient once.
 """
 
+import inspect
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,15 +41,27 @@ def _fused_loss(projection: torch.nn.Linear, features: torch.Tensor, *args: Any)
     )
 
 
+def chunked_loss_problem(model: Any) -> str | None:
+    """Why ``model`` cannot take the chunked loss, or None: its decoder must return the
+    features before a linear ``output_projection`` (``features_only``, as fairseq's
+    transformer family does; not with an adaptive softmax)."""
+    decoder = getattr(model, "decoder", None)
+    projection = getattr(decoder, "output_projection", None)
+    if (projection is not None and is_linear_layer(projection)
+            and "features_only" in inspect.signature(decoder.forward).parameters):
+        return None
+    return (f"--criterion chunked_label_smoothed_cross_entropy needs a decoder that returns "
+            f"its features before a linear output_projection (fairseq's transformer family, "
+            f"without an adaptive softmax); {type(model).__name__}'s does not: use "
+            f"--criterion label_smoothed_cross_entropy")
+
+
 def output_projection(model: Any) -> torch.nn.Linear:
     """The decoder's output projection, with the fused loss attached as an FSDP method."""
-    projection = getattr(model.decoder, "output_projection", None)
-    if projection is None or not is_linear_layer(projection):
-        raise ValueError(
-            "chunked_label_smoothed_cross_entropy needs a decoder with a linear "
-            "output_projection (no adaptive softmax): use --criterion "
-            "label_smoothed_cross_entropy for this model"
-        )
+    problem = chunked_loss_problem(model)
+    if problem:
+        raise ShardingConfigError(problem)
+    projection = model.decoder.output_projection
     if not hasattr(projection, FUSED_METHOD):
         setattr(projection, FUSED_METHOD, types.MethodType(_fused_loss, projection))
         if isinstance(projection, FSDPModule):
@@ -75,6 +88,12 @@ class ChunkedLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriteri
                 f"--loss-chunk-tokens {loss_chunk_tokens}: give at least 1 (the number of "
                 "target tokens whose logits exist at once; 1024 by default)")
         self.loss_chunk_tokens = loss_chunk_tokens
+
+    def refuse_unfit_model(self, model: Any) -> None:
+        """Refuse, before training starts, a model this loss cannot be computed for."""
+        problem = chunked_loss_problem(model)
+        if problem:
+            raise ShardingConfigError(problem)
 
     def forward(self, model: Any, sample: dict, reduce: bool = True) -> tuple:
         if not reduce:

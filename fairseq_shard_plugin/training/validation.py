@@ -47,6 +47,11 @@ def _check_fairseq_features(cfg: Any) -> None:
         raise ShardingConfigError(
             "--amp is not supported with --ddp-backend fully_sharded: use --fp16 or --bf16"
         )
+    if getattr(cfg.model, "quant_noise_pq", 0):
+        raise ShardingConfigError(
+            "--quant-noise-pq rewrites weights inside forward (weight.data = ...), which a "
+            "sharded unit writes into its gathered copy and drops, so training would differ "
+            "from fairseq's: remove --quant-noise-pq, or train with another --ddp-backend")
     if cfg.ema.store_ema:
         raise ShardingConfigError(
             "--store-ema keeps an unsharded model copy and is not supported with "
