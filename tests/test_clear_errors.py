@@ -48,6 +48,12 @@ REFUSED = {
     f"cannot write to the save dir {Path(__file__) / 'save'}: Not a directory (ENOTDIR)": [
         "--save-dir", str(Path(__file__) / "save")],
 }
+# refused once the model is built, before it trains (fairseq has made the save dir by then)
+REFUSED_WITH_THE_MODEL = {
+    # its bands run only for the tokens a batch holds: ranks gathered different units
+    "--adaptive-softmax-cutoff (decoder.adaptive_softmax) runs each frequency band only for "
+    "the tokens a batch holds": ["--adaptive-softmax-cutoff", "20"],
+}
 # checked in this process: the message names the flag
 CHECKED = {
     "--store-ema": ["--store-ema"],
@@ -101,7 +107,7 @@ def launches(
     corpus: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
     """Every case's finished ``fairseq-train`` and its --save-dir, all run concurrently."""
-    cases = dict(REFUSED, one_rank=ONE_RANK, fairscale_shards=[],
+    cases = dict(REFUSED, **REFUSED_WITH_THE_MODEL, one_rank=ONE_RANK, fairscale_shards=[],
                  nothing_to_write=NOTHING_TO_WRITE, typo=["--task", "sharded_translation", TYPO],
                  too_long=["--task", "sharded_translation", "--max-tokens", "5"])
     save_dirs = {name: tmp_path_factory.mktemp("refused") / "save" for name in cases}
@@ -129,6 +135,18 @@ def test_refused_before_training_with_the_flag_named(
     assert last_line.startswith("fairseq-shard-plugin: error: ") and names in last_line
     assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
     assert not save_dir.exists()
+
+
+@pytest.mark.parametrize("names", list(REFUSED_WITH_THE_MODEL))
+def test_refused_with_the_model_before_training(
+    launches: dict[str, tuple[subprocess.CompletedProcess, Path]], names: str
+) -> None:
+    completed, save_dir = launches[names]
+    assert completed.returncode != 0
+    last_line = completed.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("fairseq-shard-plugin: error: ") and names in last_line
+    assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
+    assert not any(save_dir.iterdir())
 
 
 def test_a_sentence_longer_than_the_batches_is_one_line(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -92,6 +93,27 @@ def test_decoder_only_language_model(corpus: Path, tmp_path: Path) -> None:
         "decoder.layers.0", "decoder.layers.1", "decoder.layers.2",
         "decoder.embed_tokens+decoder.output_projection",
     ]
+
+
+def test_adaptive_input_and_softmax_are_refused_by_name(corpus: Path, tmp_path: Path) -> None:
+    """Their bands run only for the tokens a batch holds: with the bands as units, ranks
+    whose batch missed a band skipped its all-gather (gloo aborted or hung)."""
+    from fairseq_shard_plugin.errors import ShardingConfigError
+    from fairseq_shard_plugin.sharding.wrap_policy import refuse_adaptive_modules
+
+    shutil.copytree(corpus, tmp_path / "lm")
+    shutil.copy(tmp_path / "lm" / "dict.src.txt", tmp_path / "lm" / "dict.txt")
+    refuse_adaptive_modules(build_model(tmp_path / "lm", "language_modeling",
+                                        "transformer_lm", LM_SMALL))  # none: nothing to say
+    for flags, named in (
+            (["--adaptive-input", "--adaptive-input-cutoff", "20", "--adaptive-input-factor",
+              "2"], "--adaptive-input (decoder.embed_tokens)"),
+            (["--adaptive-softmax-cutoff", "20"], "--adaptive-softmax-cutoff "
+                                                  "(decoder.adaptive_softmax)")):
+        model = build_model(tmp_path / "lm", "language_modeling", "transformer_lm",
+                            [*LM_SMALL, *flags])
+        with pytest.raises(ShardingConfigError, match=re.escape(named)):
+            refuse_adaptive_modules(model)
 
 
 def test_every_layer_is_a_unit_whatever_min_params_to_wrap_says(corpus: Path) -> None:

@@ -23,6 +23,7 @@ from fairseq_shard_plugin.sharding.wrap_policy import (
     ShardingPlan,
     build_plan,
     describe_plan,
+    refuse_adaptive_modules,
 )
 
 
@@ -95,6 +96,7 @@ def parallelize(model: nn.Module, settings: ShardingSettings) -> ShardedModel:
        layers mix them (positions, masks) with 16-bit activations.
     """
     _unsharded_layers.clear()  # the model is built: the plan takes any rest of a stack
+    refuse_adaptive_modules(model)
     plan = build_plan(model, settings.reshard, settings.root_unit_only,
                       settings.layers_per_unit)
     description = describe_plan(plan)  # counted before sharding changes the parameters

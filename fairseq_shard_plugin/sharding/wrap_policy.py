@@ -33,6 +33,7 @@ from fairseq.modules.transformer_layer import (
     TransformerEncoderLayerBase,
 )
 
+from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.sharding.settings import ReshardPolicy
 
 LAYER_CLASSES: tuple[type[nn.Module], ...] = (
@@ -205,6 +206,23 @@ def _reads_weight_outside(model: nn.Module, modules: tuple[nn.Module, ...]) -> s
                 getattr(module, "embed_tokens", None) is unit_module for unit_module in modules):
             return name
     return ""
+
+
+def refuse_adaptive_modules(model: nn.Module) -> None:
+    """fairseq's adaptive input and adaptive softmax run each frequency band only for the
+    tokens a batch holds, and the adaptive softmax runs in the criterion, after the model's
+    forward: ranks would gather different units (a collective mismatch that aborts or
+    hangs) or none at all. Refused, named, before anything trains."""
+    from fairseq.modules import AdaptiveInput, AdaptiveSoftmax
+
+    for name, module in model.named_modules():
+        if isinstance(module, (AdaptiveInput, AdaptiveSoftmax)):
+            flag = ("--adaptive-input" if isinstance(module, AdaptiveInput)
+                    else "--adaptive-softmax-cutoff")
+            raise ShardingConfigError(
+                f"{flag} ({name}) runs each frequency band only for the tokens a batch "
+                "holds, so ranks would gather different sharding units: not supported with "
+                f"--ddp-backend fully_sharded; remove {flag}, or use another --ddp-backend")
 
 
 def parameter_count(modules: Iterable[nn.Module]) -> int:
