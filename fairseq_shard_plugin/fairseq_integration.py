@@ -106,6 +106,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    ``save_checkpoint`` (so ``checkpoint_last.pt`` and fairseq's other names are written as
    usual) without validating, and the loop stops. Hook 4 then exits with 128 + the
    signal's number instead of exporting. A signal during the last update changes nothing.
+   Where fairseq's rules would leave no checkpoint to resume from or to export (a signal
+   under ``--no-last-checkpoints``; the last epoch between two ``--save-interval`` saves
+   with ``--export-consolidated``), the wrapper saves anyway (``training.final_saves``).
 
 10. ``eval`` in fairseq's convolutional model modules (``fconv``, ``fconv_lm``,
     ``fconv_self_att``, ``lightconv_lm``, ``transformer_lm``): their ``build_model`` turns
@@ -188,6 +191,10 @@ from fairseq_shard_plugin.sharding.options import (
 )
 from fairseq_shard_plugin.sharding.precision import untie_bf16_from_tpu
 from fairseq_shard_plugin.sharding.settings import launcher_rank
+from fairseq_shard_plugin.training.final_saves import (
+    config_for_a_signal_save,
+    ends_without_a_save,
+)
 from fairseq_shard_plugin.training.launch_env import (
     apply_torchrun_environment,
     default_allocator_setting,
@@ -599,15 +606,21 @@ def _saving_on_signal(stock_validate_and_save: Callable[..., Any]) -> Callable[.
             stop.stopped_by = None
             signum = None
         if signum is None:
-            return stock_validate_and_save(cfg, trainer, task, epoch_itr, valid_subsets,
-                                           end_of_epoch, *args, **kwargs)
+            valid_losses, should_stop = stock_validate_and_save(
+                cfg, trainer, task, epoch_itr, valid_subsets, end_of_epoch, *args, **kwargs)
+            if ends_without_a_save(cfg, trainer, epoch_itr, end_of_epoch, should_stop):
+                logger.info(f"saving the final model (update {update}) for "
+                            "--export-consolidated: fairseq's --save-interval skipped it")
+                checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, None)
+            return valid_losses, should_stop
         name = signal.Signals(signum).name
         if cfg.checkpoint.no_save:
             logger.warning(f"{name}: stopping after update {update}, not saving (--no-save)")
         else:
             logger.info(f"{name}: saving a checkpoint after update {update}, then stopping "
                         f"(exit code {128 + signum}); the same command resumes from it")
-            checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, None)
+            checkpoint_utils.save_checkpoint(config_for_a_signal_save(cfg.checkpoint),
+                                             trainer, epoch_itr, None)
         return [None], True
 
     return _marked(validate_and_save, stock_validate_and_save)

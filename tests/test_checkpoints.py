@@ -187,17 +187,29 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_losses(
     assert crashes["during_copy"].series("train_inner", "loss") == reference[20:30]
 
 
+@pytest.fixture(scope="module")
+def sixteen_updates(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    """16 updates in 2 epochs, uninterrupted: the reference of the signal tests."""
+    save_dir = tmp_path_factory.mktemp("sixteen_updates")
+    return run_training(training_args(corpus, save_dir, 16, max_tokens=1024) + TINY + [
+        "--task", "sharded_translation", "--no-epoch-checkpoints"], nproc=2, plugin=True)
+
+
+@pytest.mark.parametrize("no_last", [(), ("--no-last-checkpoints",)],
+                         ids=["", "no-last-checkpoints"])
 def test_a_signal_to_one_rank_stops_all_and_the_resume_in_epoch_2_continues_exactly(
-    corpus: Path, tmp_path: Path
+    corpus: Path, tmp_path: Path, sixteen_updates: RunResult, no_last: tuple[str, ...]
 ) -> None:
     """Slurm-style preemption: SIGUSR1 to rank 1 only, during update 9 or 10. Every rank
     saves after the same update and exits with 128 + SIGUSR1; the same command resumes
     with the losses of a run that was never stopped. 1,024 tokens per rank make an epoch
     about 8 updates, so this resume is in epoch 2, where stock fairseq would build other
-    batches than the uninterrupted run holds (see resumable_batches.py)."""
+    batches than the uninterrupted run holds (see resumable_batches.py). Under
+    --no-last-checkpoints the signal's save still writes checkpoint_last.pt (it wrote
+    nothing, and the "resume" started from scratch)."""
     def fairseq_args(save_dir: Path) -> list[str]:
         return training_args(corpus, save_dir, 16, max_tokens=1024) + TINY + [
-            "--task", "sharded_translation", "--no-epoch-checkpoints"]
+            "--task", "sharded_translation", "--no-epoch-checkpoints", *no_last]
 
     sent: list[int] = []
 
@@ -206,7 +218,7 @@ def test_a_signal_to_one_rank_stops_all_and_the_resume_in_epoch_2_continues_exac
             os.kill(ranks[1].pid, signal.SIGUSR1)
             sent.append(signal.SIGUSR1)
 
-    reference = run_training(fairseq_args(tmp_path / "uninterrupted"), nproc=2, plugin=True)
+    reference = sixteen_updates
     save_dir = tmp_path / "preempted"
     stopped = run_training(fairseq_args(save_dir), nproc=2, plugin=True, check=False,
                            watch=preempt_rank_1)
@@ -215,6 +227,7 @@ def test_a_signal_to_one_rank_stops_all_and_the_resume_in_epoch_2_continues_exac
     assert 9 <= last < 16
     # rank 0 logs; it got no signal itself, so the ranks agreed
     assert f"SIGUSR1: saving a checkpoint after update {last}, then stopping" in stopped.output
+    assert ("despite --no-last-checkpoints" in stopped.output) == bool(no_last)
     state = torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert state["optimizer_history"][-1]["num_updates"] == last
     assert state["extra_state"]["train_iterator"]["epoch"] == 2, "the stop should be in epoch 2"
@@ -391,6 +404,22 @@ def hypotheses(generated: subprocess.CompletedProcess) -> list[str]:
 def translations(corpus: Path, checkpoint: Path) -> list[str]:
     """Hypotheses of ``fairseq-generate --path checkpoint`` on the test set."""
     return hypotheses(run_command(generate_command(corpus, checkpoint)))
+
+
+def test_the_export_is_the_final_model_when_fairseqs_save_interval_skips_the_last_epoch(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """One epoch with --save-interval 2: fairseq saves nothing at its end, and the export
+    took an older checkpoint_last.pt (or none); the final model is saved for it."""
+    run = run_training(training_args(corpus, tmp_path, 0, max_tokens=1024) + TINY + [
+        "--task", "sharded_translation", "--max-epoch", "1", "--save-interval", "2",
+        "--export-consolidated", str(tmp_path / "model.pt")], nproc=2, plugin=True)
+    last = int(run.series("train_inner", "num_updates")[-1])
+    assert f"saving the final model (update {last}) for --export-consolidated" in run.output
+    assert saved_update(tmp_path / "checkpoint_last.pt") == last
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)["model"]
+    final = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)["model"]
+    assert equal_models(exported, final)
 
 
 def test_export_at_end_of_training_is_a_standard_inference_checkpoint(

@@ -191,6 +191,7 @@ class ShardedTrainer(Trainer):
         # read after every update by integration hook 9 (save and stop on a signal)
         self.signal_stop = signal_stop.install(
             signal_stop.parse_signals(self.sharding_options.save_on_signal))
+        self.saved_at_update: int | None = None  # the update of this run's last save
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -341,6 +342,7 @@ class ShardedTrainer(Trainer):
                            "one rank's exception handler")
             return None
         record_ranks(extra_state, self.data_parallel_world_size)
+        self.saved_at_update = self.get_num_updates()  # (read by training.final_saves)
         if not self.should_save_checkpoint_on_current_rank:
             return None
         return save_full_checkpoint(self, filename, extra_state, training_finished)

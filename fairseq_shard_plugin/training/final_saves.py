@@ -1,0 +1,45 @@
+"""Saves that fairseq's own rules would skip at the end of a run, where a checkpoint is
+promised: ``--export-consolidated`` exports ``checkpoint_last.pt``, and a
+``--save-on-signal`` stop tells the user that the same command resumes.
+
+- fairseq saves at the end of an epoch only every ``--save-interval`` epochs, and the end
+  of ``--max-epoch`` is not a reason to save: a run of 3 epochs with ``--save-interval 2``
+  ended with the epoch-2 checkpoint, which the export then wrote as "the final model";
+- with ``--no-last-checkpoints`` fairseq never writes ``checkpoint_last.pt``, so a signal's
+  save wrote nothing and the "resume" started from scratch.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from typing import Any
+
+from fairseq_shard_plugin.sharding.options import sharding_options
+
+logger = logging.getLogger(__name__)
+
+
+def ends_without_a_save(cfg: Any, trainer: Any, epoch_itr: Any, end_of_epoch: bool,
+                        should_stop: bool) -> bool:
+    """Whether the training ends after this update (fairseq stops it, or this is the end of
+    the last epoch) and ``--export-consolidated`` waits for a checkpoint that fairseq did not
+    write after it (the plugin's trainer records the update of its last save)."""
+    if not sharding_options(cfg.task).export_consolidated or cfg.checkpoint.no_save:
+        return False
+    last_epoch = end_of_epoch and epoch_itr.epoch >= (cfg.optimization.max_epoch or math.inf)
+    saved = getattr(trainer, "saved_at_update", None)
+    return (should_stop or last_epoch) and saved != trainer.get_num_updates()
+
+
+def config_for_a_signal_save(checkpoint_cfg: Any) -> Any:
+    """fairseq's checkpoint config for a save on a signal: ``checkpoint_last.pt`` is written
+    even under ``--no-last-checkpoints`` (it is what the same command resumes from)."""
+    if not checkpoint_cfg.no_last_checkpoints:
+        return checkpoint_cfg
+    logger.info("writing checkpoint_last.pt despite --no-last-checkpoints: the same command "
+                "resumes from it")
+    writes_last = copy.deepcopy(checkpoint_cfg)
+    writes_last.no_last_checkpoints = False
+    return writes_last
