@@ -26,7 +26,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    criterion refuses a model it cannot compute its loss for.
    Under any other backend it stays fairseq's, subclassed only so that ``load_checkpoint``
    ends by copying what it keeps out of the mapped checkpoint file (hook 6 maps it; see
-   ``training.private_state``): torch's optimizer keeps the loaded moments themselves.
+   ``training.private_state``): torch's optimizer keeps the loaded moments themselves; and
+   so that every rank reads the file (rank 0's broadcast of fairseq's loaded config cannot
+   be unpickled under torch >= 2.6).
    ``ShardedTrainer`` overrides two of the Trainer's private methods, for want of public ones:
    ``_build_optimizer`` (the optimizer steps on fp32 master shards) and
    ``_reduce_and_log_stats`` (an fp16 update skipped for overflow logs nothing, as in

@@ -763,13 +763,12 @@ def test_fine_tuning_from_a_stock_fairseq_checkpoint_matches_stock_fine_tuning(
                  "--reset-lr-scheduler", "--reset-meters", "--no-save"]
     # The reference is stock fairseq's data parallel training. fairseq 0.12 cannot read its
     # own checkpoints under torch >= 2.6's weights_only loading: --user-dir adds the
-    # plugin's allow-list (legacy_ddp runs are otherwise untouched by it), and every rank
-    # reads the file itself, since rank 0's broadcast re-pickles the OmegaConf config.
+    # plugin's allow-list, and has every rank read the file itself (rank 0's broadcast
+    # re-pickles the OmegaConf config, which the other ranks refused to unpickle).
     runs = {sharded: run_training(
         training_args(corpus, tmp_path / str(sharded), 5, max_tokens=MAX_TOKENS) + TINY
         + (["--task", "sharded_translation"] if sharded else
-           ["--task", "translation", "--user-dir", str(PLUGIN_DIR),
-            "--load-checkpoint-on-all-dp-ranks"]) + fine_tune,
+           ["--task", "translation", "--user-dir", str(PLUGIN_DIR)]) + fine_tune,
         nproc=2, plugin=sharded) for sharded in (False, True)}
     assert "Loaded checkpoint" in runs[True].output
     losses, reference = (runs[p].series("train_inner", "loss") for p in (True, False))

@@ -40,10 +40,15 @@ def release_checkpoint_pages(trainer: Any) -> int:
 
 @functools.cache
 def with_private_loaded_state(stock_trainer: type) -> type:
-    """``stock_trainer`` whose ``load_checkpoint`` ends with :func:`release_checkpoint_pages`."""
+    """``stock_trainer`` whose ``load_checkpoint`` reads the file on every rank and ends
+    with :func:`release_checkpoint_pages`."""
 
     class PrivateStateTrainer(stock_trainer):  # type: ignore[misc, valid-type]
         def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+            if self.data_parallel_world_size > 1:
+                # every rank reads the file: rank 0's broadcast re-pickles the loaded
+                # OmegaConf config, which torch >= 2.6 refuses to unpickle on the others
+                self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
             extra_state = super().load_checkpoint(*args, **kwargs)
             release_checkpoint_pages(self)
             return extra_state
