@@ -268,27 +268,63 @@ def export_target_problem(destination: str | Path, source: Path | None = None,
 
 class _Unchanged:
     """The identity of a file when it was first read, to tell whether it was replaced (a
-    training's save renames a new file over ``checkpoint_last.pt``) while being exported:
-    its tensors would then be read from another file at the first one's offsets."""
+    training's save renames a new file over ``checkpoint_last.pt``) or removed (its
+    ``--keep-interval-updates``) while being exported: its tensors would then be read from
+    another file at the first one's offsets, or its shards be gone with it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.identity = self._identity()
 
-    def _identity(self) -> tuple[int, ...]:
-        stat = os.stat(self.path)
+    def _identity(self) -> tuple[int, ...] | None:
+        try:
+            stat = os.stat(self.path)
+        except OSError:
+            return None
         return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
 
+    def changed(self) -> bool:
+        return self.identity is None or self._identity() != self.identity
+
+    def error(self) -> ConsolidateError:
+        """The one-line error that says what happened to the file."""
+        happened = "replaced" if self.path.exists() else "removed"
+        return ConsolidateError(
+            f"{self.path} was {happened} while it was read (a training saving into its "
+            "save dir?): nothing was written; run the export again, or export a checkpoint "
+            "the training no longer writes or removes (e.g. a copy such as "
+            "checkpoint_last.pt.bak beside it)")
+
     def check(self) -> None:
-        try:
-            unchanged = self._identity() == self.identity
-        except OSError:
-            unchanged = False
-        if not unchanged:
-            raise ConsolidateError(
-                f"{self.path} was replaced while it was read (a training saving into its "
-                "save dir?): nothing was written; run the export again, or export a "
-                "checkpoint the training no longer writes (e.g. checkpoint_1_20.pt)")
+        if self.changed():
+            raise self.error()
+
+    def explain(self, error: Exception) -> ConsolidateError:
+        """``error``, a failure to read the file or its shards, in one line: the file's
+        replacement or removal when that happened meanwhile (a training's cleanup then
+        deletes its shards, so the failure is a consequence)."""
+        if self.changed():
+            return self.error()
+        if isinstance(error, OSError):
+            return ConsolidateError(f"{self.path}: could not be read: "
+                                    f"{describe_os_error(error)}")
+        return ConsolidateError(str(error))
+
+
+def _export_plan(path: Path, dtype: torch.dtype | None) -> tuple[Any, Any]:
+    """The inference state of the checkpoint ``path`` and the plan that writes its
+    tensors, whatever its format."""
+    try:
+        legacy = checkpoint_format(path) == "legacy"
+    except NotACheckpointError as error:
+        raise ConsolidateError(f"{path}: {error}") from error
+    if legacy:
+        return _legacy_inference_state(path, dtype), ResidentTensor
+    state = _load(path, "meta")  # the pickle only: tensors on the meta device
+    _require_fairseq_checkpoint(path, state)
+    if is_rank_file_state(state):
+        return _rank_files_inference_state(path, dtype), ResidentTensor
+    return _inference_plan(path, state, dtype)
 
 
 def export_consolidated(
@@ -303,21 +339,11 @@ def export_consolidated(
                                "name another file (e.g. model.pt)")
     unchanged = _Unchanged(path)
     try:
-        legacy = checkpoint_format(path) == "legacy"
-    except NotACheckpointError as error:
-        raise ConsolidateError(f"{path}: {error}") from error
-    if legacy:
-        exported, plan = _legacy_inference_state(path, dtype), ResidentTensor
-    else:
-        state = _load(path, "meta")  # the pickle only: tensors on the meta device
-        _require_fairseq_checkpoint(path, state)
-        if is_rank_file_state(state):
-            exported, plan = _rank_files_inference_state(path, dtype), ResidentTensor
-        else:
-            try:
-                exported, plan = _inference_plan(path, state, dtype)
-            except (ShardedCheckpointError, StoredTensorError) as error:
-                raise ConsolidateError(str(error)) from error
+        exported, plan = _export_plan(path, dtype)
+    except Exception as error:
+        if not isinstance(error, (ShardPluginError, OSError)) and not unchanged.changed():
+            raise  # neither a problem of the checkpoint nor a training's save: a bug
+        raise unchanged.explain(error) from error
     exported = portable_state(exported)
     for note in stock_fairseq_notes(exported):
         logger.warning(note)
@@ -334,5 +360,5 @@ def export_consolidated(
 
         write_atomically(destination, write)
     except StoredTensorError as error:
-        raise ConsolidateError(str(error)) from None
+        raise unchanged.explain(error) from None
     return destination

@@ -53,6 +53,7 @@ from fairseq_shard_plugin.checkpoint.integrity import (
     mismatched_shard_files,
     shard_checksums,
 )
+from fairseq_shard_plugin.checkpoint.reading import NotACheckpointError, checkpoint_format
 from fairseq_shard_plugin.checkpoint.shard_metadata import SafeFileSystemReader, UnsafeMetadataError
 from fairseq_shard_plugin.errors import ShardPluginError
 
@@ -219,12 +220,34 @@ def save_sharded(state: dict[str, Any], save_dir: str | Path, num_updates: int) 
     return skeleton
 
 
+def _possible_indexes(save_dir: Path) -> list[Path]:
+    """The files of ``save_dir`` that may be checkpoints, hence refer to shards: fairseq's
+    names (``*.pt``), and copies a user made beside them (``*.pt.*``, such as
+    ``checkpoint_last.pt.bak``) unless their first bytes are not a torch file's at all (a
+    checksum ``checkpoint_last.pt.md5``, notes)."""
+    return sorted(path for path in save_dir.iterdir() if not path.name.startswith(".")
+                  and path.is_file() and (path.name.endswith(".pt")
+                                          or (".pt." in path.name and _may_be_torch_file(path))))
+
+
+def _may_be_torch_file(path: Path) -> bool:
+    """False only for a file whose first bytes are neither of torch's formats; an empty
+    file (a copy just begun) or one that cannot be opened may still become or be one."""
+    try:
+        return path.stat().st_size == 0 or bool(checkpoint_format(path))
+    except NotACheckpointError:
+        return False
+    except OSError:
+        return True
+
+
 def remove_unreferenced_shards(
     save_dir: str | Path, read_index: Callable[[Path], Any]
 ) -> list[Path]:
     """Delete the plugin's shard directories (:func:`is_plugin_shard_directory`) in
     ``save_dir/checkpoint_shards`` that no checkpoint file in ``save_dir`` refers to
-    (``*.pt``, and copies named ``*.pt.*`` such as ``checkpoint_last.pt.bak``).
+    (``*.pt``, and copies named ``*.pt.*`` such as ``checkpoint_last.pt.bak``; a
+    ``*.pt.*`` file that is no torch file at all, e.g. a checksum, is not one).
 
     ``checkpoint_shards`` itself may be a symlink (shards on a scratch disk): its entries
     are listed through it, and only the directories the plugin wrote for this save dir
@@ -236,11 +259,7 @@ def remove_unreferenced_shards(
     if not shards.is_dir():
         return []
     referenced = set()
-    # fairseq's names, and copies a user made beside them (checkpoint_last.pt.bak)
-    indexes = sorted(path for path in save_dir.iterdir() if not path.name.startswith(".")
-                     and (path.name.endswith(".pt") or ".pt." in path.name)
-                     and path.is_file())
-    for checkpoint in indexes:
+    for checkpoint in _possible_indexes(save_dir):
         try:
             index = read_index(checkpoint)
             if is_sharded_index(index):

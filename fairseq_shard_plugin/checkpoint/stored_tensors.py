@@ -201,7 +201,11 @@ def _dcp_block(directory: Path, info: Any, start: tuple[int, ...]) -> StoredBloc
         raise StoredTensorError(
             f"{file}: stored through DCP stream transforms ({', '.join(info.transform_descriptors)}"
             "), which fairseq-shard-consolidate does not read")
-    with open(file, "rb") as stream:
+    try:
+        stream = open(file, "rb")
+    except OSError as error:  # removed meanwhile, say (a training's cleanup)
+        raise StoredTensorError(f"could not read {file}: {describe_os_error(error)}") from error
+    with stream:
         view = _FileView(stream, info.offset, info.length)
         try:
             tensor = torch.load(view, map_location="meta", weights_only=True)
