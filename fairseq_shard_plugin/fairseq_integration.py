@@ -194,6 +194,7 @@ from fairseq_shard_plugin.sharding.options import (
 from fairseq_shard_plugin.sharding.precision import untie_bf16_from_tpu
 from fairseq_shard_plugin.sharding.settings import launcher_rank
 from fairseq_shard_plugin.training.final_saves import (
+    TrainingAlreadyFinished,
     config_for_a_signal_save,
     ends_without_a_save,
 )
@@ -317,8 +318,12 @@ class _TrainThenExport:
 
     def __call__(self, cfg: Any, **kwargs: Any) -> Any:
         mark_export_follows_training()
-        with training_with(_settings_of(cfg)):
-            result = self.main(cfg, **kwargs)
+        result = None
+        try:
+            with training_with(_settings_of(cfg)):
+                result = self.main(cfg, **kwargs)
+        except TrainingAlreadyFinished as finished:  # (every rank, at the same update)
+            logger.info(str(finished))
         signum = stopped_by()
         if signum is not None:  # saved and stopped early (hook 9): not the final model
             sys.exit(128 + signum)

@@ -440,6 +440,22 @@ def test_export_at_end_of_training_is_a_standard_inference_checkpoint(
     translations(corpus, export_path)
 
 
+def test_the_same_command_after_the_end_trains_nothing_and_changes_nothing(
+    corpus: Path, uninterrupted: tuple[RunResult, Path]
+) -> None:
+    """A requeued job that had finished: fairseq checks --max-update only after an update,
+    so it trained update 41 and overwrote checkpoint_last.pt and the export with it."""
+    _, save_dir = uninterrupted
+    files = {p: p.read_bytes() for p in (save_dir / "checkpoint_last.pt",
+                                         save_dir / "export" / "model.pt")}
+    again = run_training(args(corpus, save_dir, "--export-consolidated",
+                              str(save_dir / "export" / "model.pt")), nproc=2, plugin=True)
+    assert again.logs["train_inner"] == [], again.output[-2000:]
+    assert (f"the checkpoint resumed from is at update {UPDATES}, --max-update {UPDATES}: "
+            "nothing left to train") in again.output
+    assert all(path.read_bytes() == content for path, content in files.items())
+
+
 def test_stock_fairseq_without_the_plugin_reads_the_export(
     corpus: Path, uninterrupted: tuple[RunResult, Path]
 ) -> None:

@@ -177,13 +177,13 @@ def trainer_state_loader(
         try:
             return load(filename, state)
         except CheckpointLoadError:  # optimizer state of another model: the model is why
-            saved = state.get("model")
-            if isinstance(saved, dict) and not (is_sharded_index(state)
-                                                or is_rank_file_state(state)):
+            saved, model = state.get("model"), getattr(trainer, "_model", None)
+            if isinstance(saved, dict) and model is not None and not (
+                    is_sharded_index(state) or is_rank_file_state(state)):
                 problem = describe_shape_mismatch(
                     filename, {name: tuple(tensor.shape) for name, tensor in saved.items()
                                if isinstance(tensor, torch.Tensor)},
-                    state_dict_shapes(trainer._model))
+                    state_dict_shapes(model))
                 if problem:
                     raise CheckpointLoadError(problem) from None
             raise

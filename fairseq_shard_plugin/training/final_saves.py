@@ -1,6 +1,9 @@
-"""Saves that fairseq's own rules would skip at the end of a run, where a checkpoint is
-promised: ``--export-consolidated`` exports ``checkpoint_last.pt``, and a
-``--save-on-signal`` stop tells the user that the same command resumes.
+"""The end of a run. Saves that fairseq's own rules would skip where a checkpoint is
+promised (``--export-consolidated`` exports ``checkpoint_last.pt``, and a
+``--save-on-signal`` stop tells the user that the same command resumes), and no update past
+``--max-update`` when a finished run's command runs again (a requeued job): fairseq checks
+the limit only after each update, so it trained one more and overwrote the final
+checkpoint and export with it.
 
 - fairseq saves at the end of an epoch only every ``--save-interval`` epochs, and the end
   of ``--max-epoch`` is not a reason to save: a run of 3 epochs with ``--save-interval 2``
@@ -43,3 +46,17 @@ def config_for_a_signal_save(checkpoint_cfg: Any) -> Any:
     writes_last = copy.deepcopy(checkpoint_cfg)
     writes_last.no_last_checkpoints = False
     return writes_last
+
+
+class TrainingAlreadyFinished(Exception):
+    """The checkpoint resumed from is at ``--max-update``: nothing is left to train."""
+
+
+def refuse_a_step_past_the_end(cfg: Any, num_updates: int) -> None:
+    """Before an update: raise :class:`TrainingAlreadyFinished` where the run has reached
+    ``--max-update`` already (only a resumed finished run gets here)."""
+    max_update = cfg.optimization.max_update
+    if max_update and num_updates >= max_update:
+        raise TrainingAlreadyFinished(
+            f"the checkpoint resumed from is at update {num_updates}, --max-update "
+            f"{max_update}: nothing left to train (raise --max-update to train on)")

@@ -58,6 +58,7 @@ from fairseq_shard_plugin.sharding.settings import ShardingSettings, warn_once
 from fairseq_shard_plugin.sharding.sharded_adam import ShardedAdam
 from fairseq_shard_plugin.training import signal_stop
 from fairseq_shard_plugin.training.data_position import convert_position, record_ranks
+from fairseq_shard_plugin.training.final_saves import refuse_a_step_past_the_end
 from fairseq_shard_plugin.training.launch_env import (
     ensure_process_group,
     host_threads_per_rank,
@@ -317,6 +318,7 @@ class ShardedTrainer(Trainer):
         A collective: every rank calls it at each save. (The arguments are the nllb
         branch's, whose Trainer returns ``{filename: state}``; 0.12's takes none.)"""
         self.state_dict_calls += 1
+        self.saved_at_update = self.get_num_updates()  # (every rank; read by final_saves)
         self.wait_for_host_step()
 
         def stock_state() -> dict[str, Any]:
@@ -342,7 +344,6 @@ class ShardedTrainer(Trainer):
                            "one rank's exception handler")
             return None
         record_ranks(extra_state, self.data_parallel_world_size)
-        self.saved_at_update = self.get_num_updates()  # (read by training.final_saves)
         if not self.should_save_checkpoint_on_current_rank:
             return None
         return save_full_checkpoint(self, filename, extra_state, training_finished)
@@ -421,7 +422,9 @@ class ShardedTrainer(Trainer):
         collectives (see :mod:`.out_of_memory`). After a FloatingPointError (non-finite
         gradients, or fp16's --min-loss-scale reached) fairseq reruns the step under its
         NanDetector, whose module hooks fail on torch 2 with a bare StopIteration; the
-        original error is raised instead, so the log ends with what went wrong."""
+        original error is raised instead, so the log ends with what went wrong. A resumed
+        run that is at ``--max-update`` already takes no step (``final_saves``)."""
+        refuse_a_step_past_the_end(self.cfg, self.get_num_updates())
         try:
             with stop_on_out_of_memory(
                     self.cfg, self.data_parallel_rank, self.get_num_updates(),
