@@ -196,6 +196,7 @@ def _check_restore_file(checkpoint_cfg: Any) -> None:
 
 
 def _check_checkpoint_file(flag: str, path: str, advice: str) -> None:
+    """Refuse ``path`` given by ``flag`` unless it is a file (a directory: name one in it)."""
     if os.path.isdir(path):
         inside = sorted(Path(path).glob("*.pt"))
         example = os.path.join(path, "checkpoint_last.pt") if (
