@@ -369,6 +369,21 @@ def test_a_failed_first_save_does_not_promise_a_resume(tmp_path: Path) -> None:
                                                                     str(tmp_path)))
 
 
+@pytest.mark.parametrize("cause, advice", [
+    ("No space left on device (ENOSPC)", "Free space in {save_dir} and run"),
+    ("Disk quota exceeded (EDQUOT)", "Free space in {save_dir} and run"),
+    ("Not a directory (ENOTDIR)", "Fix that and run"),  # said "Free space" too
+    ("Permission denied (EACCES)", "Fix that and run")])
+def test_a_failed_save_asks_for_space_only_when_space_ran_out(
+    tmp_path: Path, cause: str, advice: str
+) -> None:
+    from fairseq_shard_plugin.checkpoint.errors import save_failure
+
+    error = WriteError(f"could not write {tmp_path}/checkpoint_shards/u1: {cause}")
+    line = str(save_failure(error, str(tmp_path)))
+    assert f"{cause}. {advice.format(save_dir=tmp_path)} the same command again" in line
+
+
 def test_a_save_dir_too_small_for_a_save_is_warned_about(tmp_path: Path) -> None:
     mib = 2**20
     not_yet_created = tmp_path / "runs" / "save"  # fairseq creates it at the first save

@@ -23,15 +23,21 @@ class CheckpointWriteError(WriteError):
 
 
 def save_failure(error: WriteError, save_dir: str) -> CheckpointWriteError:
-    """``error`` with what to do: free space, then resume from the intact checkpoints (or
-    start afresh, where no checkpoint was saved yet)."""
+    """``error`` with what to do: free space (where space ran out; else fix what the error
+    names), then resume from the intact checkpoints (or start afresh, where no checkpoint
+    was saved yet). The error may come from another rank, as text: its errno name says."""
+    out_of_space = any(f"({name})" in str(error) for name in _OUT_OF_SPACE)
+    fix = f"Free space in {save_dir}" if out_of_space else "Fix that"
     if not any(Path(save_dir).glob("checkpoint_last*.pt")):
         return CheckpointWriteError(
-            f"{error}. Free space in {save_dir} and run the same command again: no "
-            "checkpoint was saved yet, so it starts afresh")
+            f"{error}. {fix} and run the same command again: no checkpoint was saved yet, "
+            "so it starts afresh")
     return CheckpointWriteError(
-        f"{error}. Free space in {save_dir} and run the same command again: it resumes "
-        "from checkpoint_last.pt (fairseq-shard-verify checks what is there)")
+        f"{error}. {fix} and run the same command again: it resumes from "
+        "checkpoint_last.pt (fairseq-shard-verify checks what is there)")
+
+
+_OUT_OF_SPACE = ("ENOSPC", "EDQUOT", "EFBIG")  # as atomic_files.describe_os_error names them
 
 
 def state_dict_shapes(module: torch.nn.Module) -> dict[str, torch.Size]:
