@@ -150,3 +150,16 @@ def test_an_export_of_a_model_with_data_source_tags_says_how_to_generate(
     with caplog.at_level("WARNING"):
         consolidate.export_consolidated(source, tmp_path / "plain.pt")
     assert caplog.records == []
+
+
+def test_a_save_dir_of_a_checkpoint_suffix_run_names_its_last_checkpoint(
+    save_dir: Path
+) -> None:
+    """--checkpoint-suffix -a writes checkpoint_last-a.pt: the save dir alone used to say
+    "give a save dir", which it was."""
+    (save_dir / "checkpoint_last.pt").rename(save_dir / "checkpoint_last-a.pt")
+    with pytest.raises(consolidate.ConsolidateError, match=(
+            f"^{save_dir} holds no checkpoint_last.pt but checkpoint_last-a.pt: give that "
+            "file$")):
+        consolidate.resolve_checkpoint(save_dir)
+    assert consolidate.resolve_checkpoint(save_dir / "checkpoint_last-a.pt").is_file()

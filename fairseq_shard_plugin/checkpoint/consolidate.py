@@ -100,7 +100,11 @@ def resolve_checkpoint(source: str | Path) -> Path:
     """A checkpoint file, or a save dir's ``checkpoint_last.pt``."""
     path = Path(source)
     if path.is_dir():
+        others = sorted(p.name for p in path.glob("checkpoint_last*.pt") if p.is_file())
         path = path / "checkpoint_last.pt"
+        if not path.is_file() and others:  # a --checkpoint-suffix run's, or stock's shards
+            raise ConsolidateError(f"{path.parent} holds no checkpoint_last.pt but "
+                                   f"{', '.join(others[:3])}: give that file")
     if not path.is_file():
         raise ConsolidateError(f"{path}: no such checkpoint (give a save dir or a .pt file)")
     return path
