@@ -76,7 +76,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    ``fully_sharded``'s per-rank state becomes the whole set's full state
    (``fairscale_shards``). Every load also gets ``langs`` as a
    list where an earlier version saved the ``--langs`` file's path (the nllb branch's
-   loader refuses the string), and the model config as the ``argparse.Namespace``
+   loader refuses the string; the list is noted for the multilingual task, which checks it
+   as fairseq builds that checkpoint's model from the model config alone, where a Hydra
+   run's checkpoint has no ``langs``), and the model config as the ``argparse.Namespace``
    fairseq's legacy architectures expect where the plugin wrote it as a dict (so that
    ``torch.load(weights_only=True)`` reads the file without the plugin:
    ``portable.with_plain_config``). Other loads pass through unchanged.
@@ -182,7 +184,11 @@ from fairseq_shard_plugin.checkpoint.atomic_files import (
     describe_os_error,
 )
 from fairseq_shard_plugin.checkpoint.errors import save_failure
-from fairseq_shard_plugin.checkpoint.portable import languages_as_lists, with_model_namespace
+from fairseq_shard_plugin.checkpoint.portable import (
+    languages_as_lists,
+    stored_languages,
+    with_model_namespace,
+)
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.memory.metrics import MaxMeter
@@ -207,6 +213,7 @@ from fairseq_shard_plugin.training.private_state import with_private_loaded_stat
 from fairseq_shard_plugin.training.run_hooks import (
     active_trainer_loader,
     mark_export_follows_training,
+    note_languages_read,
     settings_of_training,
     training_with,
 )
@@ -520,6 +527,7 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
             state = stock_load(path, arg_overrides, load_on_all_ranks,
                                **kwargs)  # nllb: is_moe
         state = languages_as_lists(state)  # a --langs path, as earlier versions saved it
+        note_languages_read(stored_languages(state))  # (the task checks them: build_model)
         loader = active_trainer_loader()
         if loader is not None:
             return loader(path, state)

@@ -23,7 +23,7 @@ from fairseq_shard_plugin.tasks.multilingual_config import (
     task_options,
     task_parser,
 )
-from launching.harness import REPO, run_command, run_training
+from launching.harness import PLUGIN_DIR, REPO, run_command, run_training, tool
 
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
 
@@ -216,6 +216,23 @@ def test_a_checkpoint_trained_with_langs_file_stores_the_list(
             "checkpoint's language tokens are numbered by its training's --langs, and this "
             "run's list differs (the same languages in another order): give --langs "
             f"{','.join(codes)} (the training's langs file") in resumed.output
+    # a Hydra run's model config holds no langs (they are task.langs only): generation with
+    # another order renumbered every language token without a word
+    hydra_shaped = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
+    del hydra_shaped["cfg"]["model"]["langs"]
+    torch.save(hydra_shaped, tmp_path / "hydra_shaped.pt")
+    pair = codes[:2]
+    generated = run_command([
+        tool("fairseq-generate"), str(multilingual), "--path", str(tmp_path / "hydra_shaped.pt"),
+        "--cpu", "--user-dir", str(PLUGIN_DIR), "--task", "sharded_translation_multi_simple_epoch",
+        "--langs", ",".join(sorted(codes)), "--lang-pairs", "-".join(pair), "--source-lang",
+        pair[0], "--target-lang", pair[1], "--encoder-langtok", "src", "--decoder-langtok",
+        "--gen-subset", "valid", "--beam", "1", "--max-tokens", "1000"])
+    assert generated.returncode != 0
+    assert generated.stderr.strip().splitlines()[-1].startswith(
+        "fairseq-shard-plugin: error: the checkpoint's language tokens are numbered by its "
+        "training's --langs, and this run's list differs (the same languages in another "
+        "order)"), generated.stderr[-3000:]
     # its export loads in stock fairseq's from_pretrained, in a process without the plugin
     # (the task is registered without a dataclass: fairseq finds it by cfg.task.task)
     from fairseq_shard_plugin.checkpoint.consolidate import export_consolidated

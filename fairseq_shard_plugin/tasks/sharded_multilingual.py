@@ -34,6 +34,7 @@ from fairseq_shard_plugin.tasks.multilingual_config import (
     task_namespace,
 )
 from fairseq_shard_plugin.tasks.sharded_translation import check_data_directory
+from fairseq_shard_plugin.training.run_hooks import languages_read
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +111,12 @@ class ShardedTranslationMultiSimpleEpochTask(TranslationMultiSimpleEpochTask):
 
     def build_model(self, cfg: Any, from_checkpoint: bool = False) -> Any:
         """The model; one built from a checkpoint (generation) must have been trained with
-        this task's language order."""
+        this task's language order: the checkpoint's task config says (its model config
+        does too, except in a Hydra run's checkpoint)."""
         if from_checkpoint:
-            problem = language_order_problem(getattr(cfg, "langs", None), self.langs)
+            stored = languages_read()
+            problem = language_order_problem(
+                stored if stored is not None else getattr(cfg, "langs", None), self.langs)
             if problem:
                 raise MultilingualOptionError(problem)
         return super().build_model(cfg, from_checkpoint)

@@ -3,8 +3,9 @@
 The hooks import the trainer (to construct it); the trainer must not import the hooks, so
 the little state they share lives here: the loader that fairseq's checkpoint reading hands
 every checkpoint to while the trainer loads one (hook 6), whether the
-``--export-consolidated`` export follows the training in this process (hook 4), and the
-sharding settings of the training being built (hooks 1 and 4).
+``--export-consolidated`` export follows the training in this process (hook 4), the
+sharding settings of the training being built (hooks 1 and 4), and the language list of
+the checkpoint fairseq read last (hook 6), which its task checks as it builds the model.
 """
 
 from __future__ import annotations
@@ -17,6 +18,19 @@ TrainerLoader = Callable[[str, dict[str, Any]], dict[str, Any]]
 _trainer_loaders: list[TrainerLoader] = []
 _export_follows_main = False
 _settings_of_training: list[Any] = []
+_languages_read: list[Any] = [None]
+
+
+def note_languages_read(languages: Any) -> None:
+    """The ``cfg.task.langs`` of the checkpoint fairseq has just read (hook 6): fairseq
+    builds that checkpoint's model next, from its model config only, which a Hydra run's
+    checkpoint holds without the languages."""
+    _languages_read[0] = languages
+
+
+def languages_read() -> Any:
+    """The ``cfg.task.langs`` of the checkpoint fairseq read last, or None."""
+    return _languages_read[0]
 
 
 @contextlib.contextmanager
