@@ -436,6 +436,9 @@ def test_a_training_command_is_estimated_as_the_trainer_describes_it(
             "the training command after --: argument --arch/-a: invalid choice: "
             "'no_such_arch'") + "$"):
         flags_from_training_command([], [str(corpus), "--arch", "no_such_arch"])
+    with pytest.raises(EstimateError, match=re.escape(  # was fairseq's bare RuntimeError()
+            "the training command after --: give --arch (the model architecture")):
+        flags_from_training_command([], [str(corpus), "--optimizer", "adam"])
 
 
 @pytest.mark.e2e

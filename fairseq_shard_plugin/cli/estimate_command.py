@@ -66,6 +66,11 @@ def _parse_training_command(train_argv: list[str]) -> Any:
         reason = lines[-1].split("error: ", 1)[-1] if lines else "not a fairseq-train command"
         reason = reason.split(" (choose from ", 1)[0]  # not fairseq's hundreds of archs
         raise EstimateError(f"the training command after --: {reason}") from None
+    except RuntimeError as error:  # fairseq's bare RuntimeError() where no --arch is given
+        if str(error):
+            raise
+        raise EstimateError("the training command after --: give --arch (the model "
+                            "architecture, e.g. transformer or nllb_dense_600m)") from None
     logging.getLogger("hydra").setLevel(logging.WARNING)
     with warnings.catch_warnings():  # Hydra's deprecation notices of fairseq's compose call
         warnings.simplefilter("ignore")
