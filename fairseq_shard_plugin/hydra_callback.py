@@ -20,7 +20,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError
+from omegaconf.errors import InterpolationResolutionError, ValidationError
 
 
 class LoadShardPlugin(Callback):
@@ -31,7 +31,7 @@ class LoadShardPlugin(Callback):
         import fairseq_shard_plugin
 
         fairseq_shard_plugin.activate_or_exit()
-        problem = first_unresolvable(config)
+        problem = first_unresolvable(config) or invalid_task_value(config)
         if problem:
             raise SystemExit(f"fairseq-shard-plugin: error: {problem}")
 
@@ -50,4 +50,28 @@ def first_unresolvable(config: DictConfig) -> str | None:
             reason = str(error).strip().splitlines()[0]
             return (f"{where}: {reason}; give it on the command line ({where}=...) or set "
                     "what it refers to")
+    return None
+
+
+def invalid_task_value(config: DictConfig) -> str | None:
+    """One line for a ``task.*`` value of the wrong type or outside its choices (for
+    example ``task.layers_per_unit=abc``, ``task.shard_engine=fsdp3``), checked against
+    the task's registered dataclass; fairseq would stop on it with omegaconf's traceback
+    when it merges the task's defaults."""
+    from fairseq.tasks import TASK_DATACLASS_REGISTRY
+
+    task = config.get("task")
+    name = task.get("_name") if isinstance(task, DictConfig) else None
+    if name not in TASK_DATACLASS_REGISTRY:
+        return None
+    given = OmegaConf.to_container(task, resolve=False)
+    given.pop("_name", None)
+    try:
+        OmegaConf.merge(OmegaConf.structured(TASK_DATACLASS_REGISTRY[name]), given)
+    except ValidationError as error:
+        where = f"task.{error.key}" if getattr(error, "key", None) else "task"
+        reason = str(error).strip().splitlines()[0]
+        return f"{where}: {reason}"
+    except Exception:  # anything else is fairseq's (and Hydra's) to report
+        return None
     return None

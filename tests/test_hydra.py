@@ -185,13 +185,22 @@ def test_every_plugin_option_is_listed_in_the_configs(config: str) -> None:
     assert options <= set(listed), options - set(listed)
 
 
-def test_unknown_engine_from_a_hydra_override_is_refused(corpus: Path, tmp_path: Path) -> None:
-    completed = hydra_train(1, "tiny", f"task.data={corpus}", "task.shard_engine=deepspeed",
-                            cwd=tmp_path)
+@pytest.mark.parametrize("override, line", [
+    ("task.shard_engine=deepspeed",
+     "task.shard_engine: Invalid value 'deepspeed', expected one of [fsdp2, fairscale]"),
+    ("task.layers_per_unit=abc",
+     "task.layers_per_unit: Value 'abc' of type 'str' could not be converted to Integer")])
+def test_a_bad_task_value_from_a_hydra_override_is_one_line(
+    corpus: Path, tmp_path: Path, override: str, line: str
+) -> None:
+    """The plugin's callback checks task.* against the task's dataclass before the job:
+    fairseq's merge of the task's defaults stopped on it with omegaconf's traceback."""
+    completed = subprocess.run(hydra_command("tiny", f"task.data={corpus}", override),
+                               capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert completed.returncode != 0
-    output = completed.stdout + completed.stderr
-    # the task's dataclass config checks the choice when Hydra's config is merged into it
-    assert "Invalid value 'deepspeed', expected one of [fsdp2, fairscale]" in output
+    assert completed.stderr.strip().splitlines()[-1] == f"fairseq-shard-plugin: error: {line}"
+    assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
 
 
 def multilingual_overrides(data: Path) -> list[str]:
