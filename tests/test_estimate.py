@@ -873,3 +873,16 @@ def test_every_value_of_every_choice_option_keeps_the_prediction(corpus: Path) -
                 continue  # a combination the estimator does not model: said in one line
             assert all(type(flag) is str for flag in described.flags), (name, member)
             parse(described.flags)
+
+
+def test_a_config_and_a_training_command_together_are_refused(tmp_path: Path) -> None:
+    """The command's flags and defaults describe the whole run: the config's values were
+    silently overridden (tiny.yaml's 2 layers estimated as the transformer's 6)."""
+    from fairseq_shard_plugin.cli.estimate import main
+
+    for config in (["--config", "tiny.yaml"], ["--config=tiny.yaml"]):
+        with pytest.raises(SystemExit) as refused:
+            main(["--world-size", "2", *config, "--", str(tmp_path), "--arch", "transformer"])
+        assert refused.value.code == (
+            "fairseq-shard-estimate: error: give --config FILE or a training command after "
+            "--, not both (the command's flags and defaults describe the whole run)")

@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> None:
         if training_command is None:
             report = run(flags)
         else:
+            if any(flag == "--config" or flag.startswith("--config=") for flag in flags):
+                raise EstimateError(  # its values were silently overridden by the command's
+                    "give --config FILE or a training command after --, not both (the "
+                    "command's flags and defaults describe the whole run)")
             flags, shape = flags_from_training_command(flags, training_command)
             report = run(flags, shape)
             report["flags"] = flags

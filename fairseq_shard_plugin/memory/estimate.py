@@ -69,7 +69,8 @@ def parser() -> argparse.ArgumentParser:
                                 epilog=EPILOG)
     p.add_argument("--config", help="a fairseq-hydra-train config (e.g. configs/nllb/"
                    "dense_600m.yaml): its model, precision, optimizer, criterion, max tokens "
-                   "and plugin keys become the defaults; flags given as well override them")
+                   "and plugin keys become the defaults; flags given as well override them "
+                   "(not with a training command after --, which describes the whole run)")
     p.add_argument("--arch", default="nllb_dense_600m",
                    help="any registered fairseq encoder-decoder transformer arch (default: "
                    "%(default)s, NLLB-600M's shape)")
