@@ -19,8 +19,6 @@ import logging
 import math
 from typing import Any
 
-from fairseq_shard_plugin.sharding.options import sharding_options
-
 logger = logging.getLogger(__name__)
 
 
@@ -28,12 +26,14 @@ def ends_without_a_save(cfg: Any, trainer: Any, epoch_itr: Any, end_of_epoch: bo
                         should_stop: bool) -> bool:
     """Whether the training ends after this update (fairseq stops it, or this is the end of
     the last epoch) and ``--export-consolidated`` waits for a checkpoint that fairseq did not
-    write after it (the plugin's trainer records the update of its last save)."""
-    if not sharding_options(cfg.task).export_consolidated or cfg.checkpoint.no_save:
-        return False
+    write after it (the plugin's trainer holds the options and records the update of its
+    last save; under another backend the export does not run)."""
     last_epoch = end_of_epoch and epoch_itr.epoch >= (cfg.optimization.max_epoch or math.inf)
-    saved = getattr(trainer, "saved_at_update", None)
-    return (should_stop or last_epoch) and saved != trainer.get_num_updates()
+    options = getattr(trainer, "sharding_options", None)
+    if not (should_stop or last_epoch) or options is None:
+        return False
+    return (bool(options.export_consolidated) and not cfg.checkpoint.no_save
+            and trainer.saved_at_update != trainer.get_num_updates())
 
 
 def config_for_a_signal_save(checkpoint_cfg: Any) -> Any:
