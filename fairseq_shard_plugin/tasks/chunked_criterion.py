@@ -56,13 +56,19 @@ def chunked_loss_problem(model: Any) -> str | None:
             f"--criterion label_smoothed_cross_entropy")
 
 
-def output_projection(model: Any) -> torch.nn.Linear:
-    """The decoder's output projection, with the fused loss attached as an FSDP method."""
+def refuse_unfit(model: Any) -> None:
+    """Raise :class:`ShardingConfigError` for a model the chunked loss cannot be computed for."""
     problem = chunked_loss_problem(model)
     if problem:
         raise ShardingConfigError(problem)
-    projection = model.decoder.output_projection
+
+
+def output_projection(model: Any) -> torch.nn.Linear:
+    """The decoder's output projection, with the fused loss attached as an FSDP method (the
+    model checked at the first call, not at every step)."""
+    projection = getattr(getattr(model, "decoder", None), "output_projection", None)
     if not hasattr(projection, FUSED_METHOD):
+        refuse_unfit(model)
         setattr(projection, FUSED_METHOD, types.MethodType(_fused_loss, projection))
         if isinstance(projection, FSDPModule):
             register_fsdp_forward_method(projection, FUSED_METHOD)
@@ -91,9 +97,7 @@ class ChunkedLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriteri
 
     def refuse_unfit_model(self, model: Any) -> None:
         """Refuse, before training starts, a model this loss cannot be computed for."""
-        problem = chunked_loss_problem(model)
-        if problem:
-            raise ShardingConfigError(problem)
+        refuse_unfit(model)
 
     def forward(self, model: Any, sample: dict, reduce: bool = True) -> tuple:
         if not reduce:
