@@ -13,10 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from fairseq import options, tasks
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from fairseq_shard_plugin.checkpoint.space import readable
 from fairseq_shard_plugin.memory.estimate import run as run_estimator
 from fairseq_shard_plugin.memory.model import GIB
+from fairseq_shard_plugin.tasks import register
 from fairseq_shard_plugin.training.out_of_memory import smaller_step_advice
 from launching.harness import PLUGIN_DIR, REPO, start_ranks, training_args
 
@@ -75,3 +78,21 @@ def test_the_advice_names_only_settings_that_are_not_on(corpus: Path) -> None:
                     "--cpu-offload"):
         assert setting not in lean
     assert "--max-tokens (4096 now)" in lean
+
+
+def test_the_advice_leaves_out_settings_the_model_cannot_take(corpus: Path) -> None:
+    """An LSTM has no --checkpoint-activations and cannot take the chunked loss: neither is
+    advised, so the line never sends a user to a flag that is then refused."""
+    register()
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(
+        options.get_training_parser(), [
+            str(corpus), "--arch", "lstm", "--encoder-embed-dim", "32",
+            "--decoder-embed-dim", "32", "--decoder-out-embed-dim", "32",
+            "--ddp-backend", "fully_sharded", "--cpu", "--optimizer", "adam", "--task",
+            "sharded_translation", "--criterion", "label_smoothed_cross_entropy",
+            "--max-tokens", "4096"]))
+    model = tasks.setup_task(cfg.task).build_model(cfg.model)
+    advice = smaller_step_advice(cfg, False, model)
+    assert "--checkpoint-activations" not in advice
+    assert "chunked_label_smoothed_cross_entropy" not in advice
+    assert "--max-tokens (4096 now)" in advice and "--cpu-offload" in advice

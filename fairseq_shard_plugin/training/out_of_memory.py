@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fairseq_shard_plugin.errors import ShardPluginError
+from fairseq_shard_plugin.tasks.chunked_criterion import chunked_loss_problem
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +36,9 @@ def is_out_of_memory(error: BaseException) -> bool:
         "out of memory" in text or "can't allocate memory" in text)
 
 
-def smaller_step_advice(cfg: Any, validation: bool) -> str:
-    """The settings that lower a step's peak and are not on yet, as flags."""
+def smaller_step_advice(cfg: Any, validation: bool, model: Any = None) -> str:
+    """The settings that lower a step's peak, are not on yet and that ``model`` (when
+    given) can take, as flags."""
     if validation:
         tokens = cfg.dataset.max_tokens_valid or cfg.dataset.max_tokens
         return f"lower --max-tokens-valid ({tokens} now) or --batch-size-valid"
@@ -44,9 +46,10 @@ def smaller_step_advice(cfg: Any, validation: bool) -> str:
     steps = [f"lower --max-tokens ({tokens} now) and raise --update-freq to keep the batch"
              if tokens else "lower --batch-size and raise --update-freq to keep the batch"]
     fsdp2 = getattr(cfg.task, "shard_engine", "fsdp2") == "fsdp2"
-    if not getattr(cfg.model, "checkpoint_activations", False):
+    if getattr(cfg.model, "checkpoint_activations", True) is False:  # absent: no such flag
         steps.append("add --checkpoint-activations")
-    if fsdp2 and getattr(cfg.criterion, "_name", None) == "label_smoothed_cross_entropy":
+    if (fsdp2 and getattr(cfg.criterion, "_name", None) == "label_smoothed_cross_entropy"
+            and (model is None or chunked_loss_problem(model) is None)):
         steps.append("use --criterion chunked_label_smoothed_cross_entropy")
     if fsdp2 and not cfg.distributed_training.cpu_offload:
         steps.append("add --cpu-offload")
@@ -66,9 +69,11 @@ def _estimator_says(estimate: Callable[[], str | None] | None) -> str:
 
 @contextlib.contextmanager
 def stop_on_out_of_memory(cfg: Any, rank: int, num_updates: int, validation: bool = False,
-                          estimate: Callable[[], str | None] | None = None) -> Iterator[None]:
+                          estimate: Callable[[], str | None] | None = None,
+                          model: Any = None) -> Iterator[None]:
     """Turn an out-of-memory error raised inside into :class:`StepOutOfMemoryError`;
-    ``estimate`` gives what fairseq-shard-estimate says of the step (training only)."""
+    ``estimate`` gives what fairseq-shard-estimate says of the step (training only), and
+    ``model`` keeps advice it cannot take out of the line."""
     try:
         yield
     except Exception as error:
@@ -80,7 +85,7 @@ def stop_on_out_of_memory(cfg: Any, rank: int, num_updates: int, validation: boo
         raise StepOutOfMemoryError(
             f"rank {rank} ran out of memory in {where} ({first_line}); a sharded step cannot "
             f"be skipped on one rank, so training stops. To go on from the last checkpoint: "
-            f"{smaller_step_advice(cfg, validation)}; "
+            f"{smaller_step_advice(cfg, validation, model)}; "
             + ("fairseq-shard-estimate predicts a training step's peak" if validation
                else _estimator_says(estimate))
         ) from error

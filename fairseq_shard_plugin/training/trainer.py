@@ -411,7 +411,7 @@ class ShardedTrainer(Trainer):
                 return super(ShardedTrainer, self).valid_step(sample, raise_oom=True)
 
         with stop_on_out_of_memory(self.cfg, self.data_parallel_rank, self.get_num_updates(),
-                                   validation=True):
+                                   validation=True, model=self.get_model()):
             return self._measured(step)
 
     def train_step(self, samples: Any, raise_oom: bool = False) -> Any:
@@ -429,7 +429,8 @@ class ShardedTrainer(Trainer):
             with stop_on_out_of_memory(
                     self.cfg, self.data_parallel_rank, self.get_num_updates(),
                     estimate=lambda: out_of_memory_clause(self._run_description, samples,
-                                                          self.device)):
+                                                          self.device),
+                    model=self.get_model()):
                 logging_output = self._measured(lambda: super(ShardedTrainer, self).train_step(
                     samples, raise_oom=True), log_free_memory=True)
         except StopIteration as error:
