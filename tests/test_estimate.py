@@ -875,6 +875,20 @@ def test_every_value_of_every_choice_option_keeps_the_prediction(corpus: Path) -
             parse(described.flags)
 
 
+@pytest.mark.parametrize("text", ["", "{}\n", "seed: 3\n", "train:\n  lr: 0.1\n",
+                                  "model:\n  unknown_key: 1\n"])
+def test_a_config_that_sets_nothing_the_estimator_models_is_refused(
+    tmp_path: Path, text: str
+) -> None:
+    """An empty or unrelated YAML file was estimated as the default model, with nothing
+    that said the config had been ignored."""
+    config = tmp_path / "odd.yaml"
+    config.write_text(text)
+    with pytest.raises(EstimateError, match=r"^--config .*odd\.yaml: sets none of the "
+                       r"estimator's settings .*configs/nllb/dense_600m\.yaml$"):
+        run(["--config", str(config)])
+
+
 def test_a_config_and_a_training_command_together_are_refused(tmp_path: Path) -> None:
     """The command's flags and defaults describe the whole run: the config's values were
     silently overridden (tiny.yaml's 2 layers estimated as the transformer's 6)."""

@@ -84,7 +84,7 @@ def defaults_from_hydra_config(
 ) -> dict[str, Any]:
     """The values the config at ``path`` gives the estimator's ``options`` (each with its
     choices, or None); absent or ``???`` keys are left to the flags' defaults. A config it
-    cannot use raises ``ValueError``."""
+    cannot use, or one that sets none of them, raises ``ValueError``."""
     config = _with_its_bases(Path(path))
     defaults: dict[str, Any] = {}
     for group, values in config.items():
@@ -99,4 +99,8 @@ def defaults_from_hydra_config(
                 raise ValueError(f"{group} {value} is not modelled (one of "
                                  f"{', '.join(choices)}): pass --{option} instead")
             defaults[option] = value
+    if not defaults:  # an estimate of the default model would look like one of this config
+        raise ValueError("sets none of the estimator's settings (model._name, "
+                         "model.encoder_layers, common.fp16, dataset.max_tokens, ...): give a "
+                         "fairseq-hydra-train config such as configs/nllb/dense_600m.yaml")
     return defaults
