@@ -183,6 +183,56 @@ def test_a_multilingual_key_left_missing_is_named() -> None:
         task_namespace(cfg)
 
 
+def test_only_a_list_of_language_codes_becomes_a_checkpoints_langs(tmp_path: Path) -> None:
+    """A path in a checkpoint's config is data: a file that is not a list of language codes
+    (here a key file beside the data) stays a path, so its lines never reach the config or
+    the language-order error that prints the list."""
+    from fairseq_shard_plugin.checkpoint.portable import languages_as_lists
+
+    secret = tmp_path / "id_rsa"
+    secret.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXk=\n")
+    per_line = tmp_path / "langs.txt"
+    per_line.write_text("eng_Latn\nzho_Hans\n\n")
+    state = {"cfg": {"task": {"langs": str(secret), "lang_dict": None},
+                     "model": Namespace(langs=None, lang_dict=str(secret))}}
+    upgraded = languages_as_lists(state)
+    assert upgraded["cfg"]["task"] == {"langs": str(secret), "lang_dict": None}
+    assert (upgraded["cfg"]["model"].langs, upgraded["cfg"]["model"].lang_dict) == (
+        None, str(secret))
+    state = {"cfg": {"task": {"langs": None, "lang_dict": str(per_line)}}}
+    assert languages_as_lists(state)["cfg"]["task"] == {
+        "langs": ["eng_Latn", "zho_Hans"], "lang_dict": None}
+
+
+def test_a_checkpoint_trained_with_a_lang_dict_stores_the_list(
+    multilingual: Path, tmp_path: Path
+) -> None:
+    """``--lang-dict`` (one code a line, as fairseq reads it) numbers the language tokens as
+    ``--langs`` does; its checkpoint held only the file's path, so generation with another
+    file (or order) renumbered every language token without a word."""
+    codes = (multilingual / "langs.txt").read_text().split()
+    args = nllb_sweep_flags(multilingual, tmp_path)
+    args[args.index("translation_multi_simple_epoch")] = "sharded_translation_multi_simple_epoch"
+    args[args.index("--max-update") + 1] = "2"
+    args.remove("--no-save")
+    run_training(args + ["--disable-validation"], nproc=1, plugin=True)
+    task = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)["cfg"]["task"]
+    assert (task["langs"], task["lang_dict"]) == (codes, None)  # stock refuses both at once
+    reordered = tmp_path / "reordered.txt"
+    reordered.write_text("".join(f"{code}\n" for code in reversed(codes)))
+    generated = run_command([
+        tool("fairseq-generate"), str(multilingual), "--path", str(tmp_path / "checkpoint_last.pt"),
+        "--cpu", "--user-dir", str(PLUGIN_DIR), "--task", "sharded_translation_multi_simple_epoch",
+        "--lang-dict", str(reordered), "--lang-pairs", "-".join(codes[:2]), "--source-lang",
+        codes[0], "--target-lang", codes[1], "--encoder-langtok", "src", "--decoder-langtok",
+        "--gen-subset", "valid", "--beam", "1", "--max-tokens", "1000"])
+    assert generated.returncode != 0
+    assert generated.stderr.strip().splitlines()[-1].startswith(
+        "fairseq-shard-plugin: error: the checkpoint's language tokens are numbered by its "
+        "training's --langs, and this run's list differs (the same languages in another "
+        "order)"), generated.stderr[-3000:]
+
+
 def test_a_checkpoint_trained_with_langs_file_stores_the_list(
     multilingual: Path, tmp_path: Path
 ) -> None:

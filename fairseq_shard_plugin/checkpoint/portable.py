@@ -87,6 +87,12 @@ def _config_section(state: Any, key: str) -> Any:
     return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
 
 
+# what a language code may hold (eng_Latn, ar_AR, __en__, zh-Hans, en-US.x): word
+# characters, hyphens, dots and @; and the largest langs file read (NLLB's 202 codes: 2 KB)
+_LANGUAGE_CODE = re.compile(r"[\w.@-]{1,64}")
+_LANGS_FILE_LIMIT = 1 << 20
+
+
 def _languages_of(section: Any) -> Any:
     return section.get("langs") if isinstance(section, dict) else getattr(section, "langs", None)
 
@@ -97,29 +103,63 @@ def stored_languages(state: Any) -> Any:
     return _languages_of(_config_section(state, "task"))
 
 
+def _codes_in(text: str, one_a_line: bool) -> list[str] | None:
+    """The language codes of a langs file's ``text``: NLLB's comma-separated line, or
+    (``one_a_line``, a --lang-dict file as fairseq reads it) one code a line; None unless
+    every entry looks like a language code (a path named by a checkpoint is data: any other
+    file's lines must not become a config's list)."""
+    if one_a_line and "," not in text:
+        codes = [line.strip() for line in text.splitlines() if line.strip()]
+    else:
+        codes = [code for code in re.split(r"[,\s]+", text) if code]
+    return codes if codes and all(_LANGUAGE_CODE.fullmatch(code) for code in codes) else None
+
+
+def _file_text(path: Any) -> str | None:
+    if not isinstance(path, str) or not os.path.isfile(path):
+        return None
+    if os.path.getsize(path) > _LANGS_FILE_LIMIT:
+        return None
+    with open(path, encoding="utf-8", errors="replace") as text:
+        return text.read()
+
+
 def languages_as_lists(state: Any) -> Any:
     """A checkpoint's ``cfg.task.langs`` and ``cfg.model.langs`` as lists of codes, as stock
     fairseq stores them, where they hold a ``--langs`` file's path or a comma-separated
-    string (earlier versions of the plugin stored the path): the nllb branch's loader
-    compares the lists and refuses a string. A path to a file that is gone stays as it is.
-    Works on a saved state (dicts and a Namespace) and on a loaded one (omegaconf)."""
+    string (earlier versions of the plugin stored the path), or where only a
+    ``--lang-dict`` file's path says which list numbered the language tokens: the nllb
+    branch's loader compares the lists and refuses a string, and generation checks the
+    order against the list. A file that is gone, or whose text is not a list of language
+    codes, stays a path. Works on a saved state (dicts and a Namespace) and on a loaded
+    one (omegaconf)."""
     for key in ("task", "model"):
         section = _config_section(state, key)
         langs = _languages_of(section)
-        is_file = isinstance(langs, str) and os.path.isfile(langs)
-        if not is_file and not (isinstance(langs, str) and "," in langs):
+        lang_dict = (section.get("lang_dict") if isinstance(section, dict)
+                     else getattr(section, "lang_dict", None))
+        if isinstance(langs, str):
+            text = _file_text(langs)
+            codes = _codes_in(text if text is not None else langs, one_a_line=False)
+            if text is None and "," not in langs:
+                codes = None  # one code, or a path to a file that is gone
+            changes = {"langs": codes}
+        elif langs is None and (text := _file_text(lang_dict)) is not None:
+            codes = _codes_in(text, one_a_line=True)
+            changes = {"langs": codes, "lang_dict": None}  # stock refuses both at once
+        else:
             continue
-        if is_file:
-            with open(langs) as text:
-                langs = text.read()
-        codes = [code for code in re.split(r"[,\s]+", langs) if code]
+        if codes is None:
+            continue
         if isinstance(section, dict):
-            section["langs"] = codes
+            section.update(changes)
         elif isinstance(section, DictConfig):
             with open_dict(section):
-                section.langs = codes
+                for name, value in changes.items():
+                    section[name] = value
         else:  # argparse.Namespace
-            section.langs = codes
+            for name, value in changes.items():
+                setattr(section, name, value)
     return state
 
 
