@@ -78,7 +78,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    list where an earlier version saved the ``--langs`` file's path (the nllb branch's
    loader refuses the string; the list is noted for the multilingual task, which checks it
    as fairseq builds that checkpoint's model from the model config alone, where a Hydra
-   run's checkpoint has no ``langs``), and the model config as the ``argparse.Namespace``
+   run's checkpoint has no ``langs``; the tensors' shapes are noted too, so that the
+   plugin's tasks name a dictionary that differs in one line: ``tasks.checkpoint_match``),
+   and the model config as the ``argparse.Namespace``
    fairseq's legacy architectures expect where the plugin wrote it as a dict (so that
    ``torch.load(weights_only=True)`` reads the file without the plugin:
    ``portable.with_plain_config``). Other loads pass through unchanged.
@@ -186,7 +188,6 @@ from fairseq_shard_plugin.checkpoint.atomic_files import (
 from fairseq_shard_plugin.checkpoint.errors import save_failure
 from fairseq_shard_plugin.checkpoint.portable import (
     languages_as_lists,
-    stored_languages,
     with_model_namespace,
 )
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
@@ -213,7 +214,7 @@ from fairseq_shard_plugin.training.private_state import with_private_loaded_stat
 from fairseq_shard_plugin.training.run_hooks import (
     active_trainer_loader,
     mark_export_follows_training,
-    note_languages_read,
+    note_checkpoint_read,
     settings_of_training,
     training_with,
 )
@@ -527,14 +528,17 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
             state = stock_load(path, arg_overrides, load_on_all_ranks,
                                **kwargs)  # nllb: is_moe
         state = languages_as_lists(state)  # a --langs path, as earlier versions saved it
-        note_languages_read(stored_languages(state))  # (the task checks them: build_model)
         loader = active_trainer_loader()
         if loader is not None:
+            note_checkpoint_read(path, state)
             return loader(path, state)
         if is_rank_file_state(state):  # stock fully_sharded's per-rank files: the whole set
-            return consolidated_state(path, state, read_rank_file, None, None,
-                                      modules_shared_by_config(state))
-        return _full_tensors_of_index(path, state) if is_sharded_index(state) else state
+            state = consolidated_state(path, state, read_rank_file, None, None,
+                                       modules_shared_by_config(state))
+        elif is_sharded_index(state):
+            state = _full_tensors_of_index(path, state)
+        note_checkpoint_read(path, state)  # the task checks the model it builds next
+        return state
 
     return _marked(load_checkpoint_to_cpu, stock_load)
 

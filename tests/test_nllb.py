@@ -220,17 +220,33 @@ def test_a_checkpoint_trained_with_a_lang_dict_stores_the_list(
     assert (task["langs"], task["lang_dict"]) == (codes, None)  # stock refuses both at once
     reordered = tmp_path / "reordered.txt"
     reordered.write_text("".join(f"{code}\n" for code in reversed(codes)))
-    generated = run_command([
-        tool("fairseq-generate"), str(multilingual), "--path", str(tmp_path / "checkpoint_last.pt"),
-        "--cpu", "--user-dir", str(PLUGIN_DIR), "--task", "sharded_translation_multi_simple_epoch",
-        "--lang-dict", str(reordered), "--lang-pairs", "-".join(codes[:2]), "--source-lang",
-        codes[0], "--target-lang", codes[1], "--encoder-langtok", "src", "--decoder-langtok",
-        "--gen-subset", "valid", "--beam", "1", "--max-tokens", "1000"])
-    assert generated.returncode != 0
-    assert generated.stderr.strip().splitlines()[-1].startswith(
+
+    def generate(lang_dict: Path, *flags: str) -> str:
+        generated = run_command([
+            tool("fairseq-generate"), str(multilingual), "--path",
+            str(tmp_path / "checkpoint_last.pt"), "--cpu", "--user-dir", str(PLUGIN_DIR),
+            "--task", "sharded_translation_multi_simple_epoch", "--lang-dict", str(lang_dict),
+            "--lang-pairs", "-".join(codes[:2]), "--source-lang", codes[0], "--target-lang",
+            codes[1], "--encoder-langtok", "src", "--decoder-langtok", "--gen-subset", "valid",
+            "--beam", "1", "--max-tokens", "1000", *flags])
+        assert generated.returncode != 0
+        assert "Traceback" not in generated.stderr, generated.stderr[-3000:]
+        return generated.stderr.strip().splitlines()[-1]
+
+    assert generate(reordered).startswith(
         "fairseq-shard-plugin: error: the checkpoint's language tokens are numbered by its "
         "training's --langs, and this run's list differs (the same languages in another "
-        "order)"), generated.stderr[-3000:]
+        "order)")
+    # the nllb branch's tags on a checkpoint trained without them: torch's size-mismatch
+    # traceback, where the shapes say what differs
+    tagged = generate(multilingual / "langs.txt", "--add-data-source-prefix-tags")
+    assert tagged.startswith(
+        f"fairseq-shard-plugin: error: {tmp_path / 'checkpoint_last.pt'}: does not match the "
+        "model: encoder.embed_tokens.weight has shape ["), tagged
+    assert tagged.endswith(
+        ": 3 more dictionary entries in the model, the data-source tags of "
+        "--add-data-source-prefix-tags, which the checkpoint's run did not use: remove that "
+        "flag"), tagged
 
 
 def test_a_checkpoint_trained_with_langs_file_stores_the_list(

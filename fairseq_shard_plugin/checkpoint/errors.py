@@ -148,15 +148,26 @@ def _shape_hint(name: str, saved: tuple[int, ...], model: tuple[int, ...]) -> st
     return ""
 
 
-def describe_shape_mismatch(
+def describe_shape_difference(
     filename: str, saved: dict[str, tuple[int, ...]], model_shapes: dict[str, Any]
 ) -> str | None:
-    """One line naming the first parameter whose name or shape differs, else None."""
+    """One line naming the first parameter the checkpoint and the model both hold in
+    different shapes, else None."""
     for name, shape in model_shapes.items():
         if name in saved and tuple(saved[name]) != tuple(shape):
             return (f"{filename}: does not match the model: {name} has shape "
                     f"{list(saved[name])} in the checkpoint and {list(shape)} in the "
                     f"model{_shape_hint(name, tuple(saved[name]), tuple(shape))}")
+    return None
+
+
+def describe_shape_mismatch(
+    filename: str, saved: dict[str, tuple[int, ...]], model_shapes: dict[str, Any]
+) -> str | None:
+    """One line naming the first parameter whose name or shape differs, else None."""
+    different = describe_shape_difference(filename, saved, model_shapes)
+    if different:
+        return different
     missing = sorted(set(model_shapes) - set(saved))
     unexpected = sorted(set(saved) - set(model_shapes))
     if missing or unexpected:

@@ -18,6 +18,7 @@ from fairseq.tasks.translation_multi_simple_epoch import TranslationMultiSimpleE
 from omegaconf import DictConfig, open_dict
 
 from fairseq_shard_plugin.sharding.options import add_sharding_args
+from fairseq_shard_plugin.tasks.checkpoint_match import MatchingTheCheckpoint
 from fairseq_shard_plugin.tasks.multilingual_checks import (
     check_lang_pairs,
     check_langs_files,
@@ -34,7 +35,7 @@ from fairseq_shard_plugin.tasks.multilingual_config import (
     task_namespace,
 )
 from fairseq_shard_plugin.tasks.sharded_translation import check_data_directory
-from fairseq_shard_plugin.training.run_hooks import languages_read
+from fairseq_shard_plugin.training.run_hooks import checkpoint_read
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,8 @@ def add_prefix_tags(dicts: Any) -> None:
 
 
 @register_task(TASK_NAME, dataclass=ShardedMultilingualConfig)
-class ShardedTranslationMultiSimpleEpochTask(TranslationMultiSimpleEpochTask):
+class ShardedTranslationMultiSimpleEpochTask(MatchingTheCheckpoint,
+                                             TranslationMultiSimpleEpochTask):
     """Identical to ``translation_multi_simple_epoch``; its config carries the sharding
     options and is converted to the parent's argparse form when the task is set up."""
 
@@ -114,7 +116,8 @@ class ShardedTranslationMultiSimpleEpochTask(TranslationMultiSimpleEpochTask):
         this task's language order: the checkpoint's task config says (its model config
         does too, except in a Hydra run's checkpoint)."""
         if from_checkpoint:
-            stored = languages_read()
+            read = checkpoint_read()
+            stored = read.languages if read is not None else None
             problem = language_order_problem(
                 stored if stored is not None else getattr(cfg, "langs", None), self.langs)
             if problem:

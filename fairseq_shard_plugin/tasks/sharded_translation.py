@@ -12,6 +12,7 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.sharding.options import ShardingConfig
+from fairseq_shard_plugin.tasks.checkpoint_match import MatchingTheCheckpoint
 from fairseq_shard_plugin.tasks.resumable_batches import EpochIndependentBatches
 
 
@@ -45,10 +46,11 @@ def check_data_directory(data: str) -> None:
 
 
 @register_task("sharded_translation", dataclass=ShardedTranslationConfig)
-class ShardedTranslationTask(EpochIndependentBatches, TranslationTask):
+class ShardedTranslationTask(EpochIndependentBatches, MatchingTheCheckpoint, TranslationTask):
     """``translation`` whose config carries the sharding options, and whose batches do not
     depend on the epoch a training resumed in (:mod:`.resumable_batches`); a DATA that is
-    not binarised data is named in one line (:func:`check_data_directory`)."""
+    not binarised data is named in one line (:func:`check_data_directory`), and a model
+    built for a checkpoint is checked against it (:mod:`.checkpoint_match`)."""
 
     @classmethod
     def setup_task(cls, cfg: Any, **kwargs: Any) -> "ShardedTranslationTask":

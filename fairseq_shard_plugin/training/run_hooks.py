@@ -4,33 +4,51 @@ The hooks import the trainer (to construct it); the trainer must not import the 
 the little state they share lives here: the loader that fairseq's checkpoint reading hands
 every checkpoint to while the trainer loads one (hook 6), whether the
 ``--export-consolidated`` export follows the training in this process (hook 4), the
-sharding settings of the training being built (hooks 1 and 4), and the language list of
-the checkpoint fairseq read last (hook 6), which its task checks as it builds the model.
+sharding settings of the training being built (hooks 1 and 4), and the language list and
+tensor shapes of the checkpoint fairseq read last (hook 6), which its task checks as it
+builds the model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import torch
 
 TrainerLoader = Callable[[str, dict[str, Any]], dict[str, Any]]
 _trainer_loaders: list[TrainerLoader] = []
 _export_follows_main = False
 _settings_of_training: list[Any] = []
-_languages_read: list[Any] = [None]
+_checkpoint_read: list[CheckpointRead | None] = [None]
 
 
-def note_languages_read(languages: Any) -> None:
-    """The ``cfg.task.langs`` of the checkpoint fairseq has just read (hook 6): fairseq
-    builds that checkpoint's model next, from its model config only, which a Hydra run's
-    checkpoint holds without the languages."""
-    _languages_read[0] = languages
+@dataclasses.dataclass(frozen=True)
+class CheckpointRead:
+    """What a task checks of the checkpoint fairseq has just read (hook 6), as it builds
+    that checkpoint's model next: its ``cfg.task.langs`` (a Hydra run's model config holds
+    none) and the shapes of its model's tensors."""
+
+    path: str
+    languages: Any
+    shapes: dict[str, tuple[int, ...]]
 
 
-def languages_read() -> Any:
-    """The ``cfg.task.langs`` of the checkpoint fairseq read last, or None."""
-    return _languages_read[0]
+def note_checkpoint_read(path: str, state: Any) -> None:
+    """Note the checkpoint ``state`` fairseq read from ``path`` (hook 6)."""
+    from fairseq_shard_plugin.checkpoint.portable import stored_languages
+
+    model = state.get("model") if isinstance(state, dict) else None
+    shapes = {name: tuple(value.shape) for name, value in (model or {}).items()
+              if isinstance(value, torch.Tensor)} if isinstance(model, dict) else {}
+    _checkpoint_read[0] = CheckpointRead(str(path), stored_languages(state), shapes)
+
+
+def checkpoint_read() -> CheckpointRead | None:
+    """What fairseq read last (:func:`note_checkpoint_read`), or None."""
+    return _checkpoint_read[0]
 
 
 @contextlib.contextmanager
