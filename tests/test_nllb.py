@@ -174,6 +174,23 @@ def test_a_bad_multilingual_option_names_its_flag_and_hydra_key() -> None:
         "(Hydra key: task.sampling_method)")
 
 
+def test_a_sampling_temperature_of_zero_is_named_before_training(
+    multilingual: Path, tmp_path: Path
+) -> None:
+    """fairseq raised ZeroDivisionError as the first epoch's data loaded."""
+    from fairseq import tasks
+
+    register()
+    args = nllb_sweep_flags(multilingual, tmp_path)
+    args[args.index("translation_multi_simple_epoch")] = "sharded_translation_multi_simple_epoch"
+    args[args.index("--sampling-temperature") + 1] = "0"
+    cfg = convert_namespace_to_omegaconf(
+        options.parse_args_and_arch(options.get_training_parser(), args))
+    with pytest.raises(MultilingualOptionError, match=r"^--sampling-temperature 0\.0: give a "
+                       r"temperature above 0 \(1 samples"):
+        tasks.setup_task(cfg.task)
+
+
 def test_a_multilingual_key_left_missing_is_named() -> None:
     cfg = OmegaConf.structured(
         ShardedMultilingualConfig(seed=1, dataset_impl=None, train_subset="train",

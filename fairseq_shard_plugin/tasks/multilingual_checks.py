@@ -39,6 +39,15 @@ def check_lang_pairs(lang_pairs: Any) -> None:
                 "fra_Latn-eng_Latn)")
 
 
+def check_sampling_temperature(method: Any, temperature: Any) -> None:
+    """``--sampling-temperature`` must be above 0 where it is used: fairseq raises its power
+    ``1 / T`` (a ZeroDivisionError as the first epoch's data loads, for 0)."""
+    if method == "temperature" and not float(temperature) > 0:
+        raise MultilingualOptionError(
+            f"--sampling-temperature {temperature}: give a temperature above 0 (1 samples "
+            "the directions in proportion to their data, larger values flatten the mix "
+            "toward uniform)")
+
 def check_langs_files(langs: Any) -> None:
     """A ``--langs`` item that names a file (a path or a ``.txt`` name) must exist: fairseq
     would take the missing file's name for a language code. Files are tested as

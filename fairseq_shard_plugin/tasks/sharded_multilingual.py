@@ -22,6 +22,7 @@ from fairseq_shard_plugin.tasks.checkpoint_match import MatchingTheCheckpoint
 from fairseq_shard_plugin.tasks.multilingual_checks import (
     check_lang_pairs,
     check_langs_files,
+    check_sampling_temperature,
     dictionary_mismatch,
     language_order_problem,
 )
@@ -94,6 +95,7 @@ class ShardedTranslationMultiSimpleEpochTask(MatchingTheCheckpoint,
         namespace = task_namespace(cfg)
         check_langs_files(namespace.langs)
         check_lang_pairs(namespace.lang_pairs)
+        check_sampling_temperature(namespace.sampling_method, namespace.sampling_temperature)
         if namespace.data:
             check_data_directory(namespace.data)
         namespace = read_language_files(namespace)
