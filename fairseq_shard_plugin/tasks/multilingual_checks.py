@@ -48,6 +48,7 @@ def check_sampling_temperature(method: Any, temperature: Any) -> None:
             "the directions in proportion to their data, larger values flatten the mix "
             "toward uniform)")
 
+
 def check_langs_files(langs: Any) -> None:
     """A ``--langs`` item that names a file (a path or a ``.txt`` name) must exist: fairseq
     would take the missing file's name for a language code. Files are tested as
