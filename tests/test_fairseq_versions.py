@@ -114,3 +114,19 @@ def test_synchronize_checkpoints_before_copy_is_joined_by_every_rank(
     torch.multiprocessing.start_processes(
         _save_twice_as_the_branch_does, args=(str(tmp_path / "init"), synchronize), nprocs=2,
         start_method="fork")
+
+
+def test_the_branchs_layer_class_is_among_the_silenced_view_warnings() -> None:
+    """The branch's transformer builds ``TransformerDecoderLayer`` (0.12 the ``...Base``):
+    FSDP2's harmless view warning was printed by every rank of every run there."""
+    import re
+
+    from fairseq_shard_plugin.sharding.engines.fsdp2 import _HARMLESS_VIEW_OUTPUTS
+
+    for layers in ("FSDPTransformerDecoderLayer", "FSDPTransformerEncoderLayerBase",
+                   "FSDPTransformerDecoderLayer, FSDPTransformerDecoderLayer"):
+        message = (f"FSDP2-wrapped module ({layers}) returned a view tensor, which can cause "
+                   "backward to fail")
+        assert re.match(_HARMLESS_VIEW_OUTPUTS, message), layers
+    assert not re.match(_HARMLESS_VIEW_OUTPUTS, "FSDP2-wrapped module (FSDPMyLayer) returned "
+                        "a view tensor")

@@ -28,7 +28,7 @@ from fairseq_shard_plugin.sharding.wrap_policy import ShardingPlan, ShardUnit
 # sharded they give stock fairseq's losses and gradient norms (tests/test_sharded_training.py,
 # test_fairseq_architectures.py). Only those units' warning is silenced (a unit of several
 # layers, --layers-per-unit, names each).
-_LAYER = r"FSDPTransformer(Encoder|Decoder)LayerBase"
+_LAYER = r"FSDPTransformer(Encoder|Decoder)Layer(Base)?"  # the nllb branch builds the subclass
 _HARMLESS_VIEW_OUTPUTS = (rf"FSDP2-wrapped module \(({_LAYER}(, {_LAYER})*|"
                           r"FSDP(Transformer(Model|LanguageModel)|BARTModel)|"
                           r"FSDPEmbedding(, FSDPEmbedding)*(, FSDPLinear)?)\) returned a view")
