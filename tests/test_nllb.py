@@ -25,6 +25,8 @@ from fairseq_shard_plugin.tasks.multilingual_config import (
 )
 from launching.harness import PLUGIN_DIR, REPO, run_command, run_training, tool
 
+from tiny_training import ON_NLLB_BRANCH
+
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
 
 register()  # the plugin's tasks, criterion and architectures, as --user-dir does
@@ -156,6 +158,8 @@ def test_both_entry_points_give_the_multilingual_task_its_stock_options(
     assert stock.extra_data == {"mined": "/data/mined"} and stock.langtoks_specs == ["main", "dae"]
 
 
+@pytest.mark.skipif(ON_NLLB_BRANCH, reason="the branch's own task options take Hydra's "
+                    "+task. (the config lists fairseq 0.12's, which the branch also has)")
 def test_multilingual_hydra_config_lists_every_option_of_the_task() -> None:
     listed = OmegaConf.load(REPO / "configs" / "nllb" / "corpus" / "multilingual.yaml").task
     options_of_task = {a.dest for a in task_options(task_parser())} - {"data"}
@@ -317,7 +321,10 @@ def test_a_checkpoint_trained_with_langs_file_stores_the_list(
         "training's --langs, and this run's list differs (the same languages in another "
         "order)"), generated.stderr[-3000:]
     # its export loads in stock fairseq's from_pretrained, in a process without the plugin
-    # (the task is registered without a dataclass: fairseq finds it by cfg.task.task)
+    # (the task is registered without a dataclass: fairseq finds it by cfg.task.task); the
+    # nllb branch's hub_utils fails on its own multilingual checkpoints too (docs/nllb.md)
+    if ON_NLLB_BRANCH:
+        return
     from fairseq_shard_plugin.checkpoint.consolidate import export_consolidated
 
     export_consolidated(tmp_path / "checkpoint_last.pt", tmp_path / "export" / "model.pt")
