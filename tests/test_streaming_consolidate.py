@@ -87,3 +87,26 @@ def test_a_read_failure_while_streaming_is_one_line_and_leaves_nothing(
     assert str(error.value) == (f"could not read {tmp_path / 'checkpoint_last.pt'}: "
                                 "Input/output error (EIO)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_last.pt"]
+
+
+def test_a_zip_repacked_by_another_tool_is_refused_not_exported_wrong(tmp_path: Path) -> None:
+    """torch.load reads such a file exactly (by record name), but its meta load computes where
+    every storage after the first lies from torch's own writer: the export held another
+    record's bytes for 88 of 89 tensors of a real checkpoint."""
+    original = tmp_path / "original.pt"
+    torch.save(training_state(), original)
+    (tmp_path / "save").mkdir()
+    repacked = tmp_path / "save" / "checkpoint_last.pt"
+    with zipfile.ZipFile(original) as source, \
+            zipfile.ZipFile(repacked, "w", zipfile.ZIP_STORED) as target:
+        for entry in source.infolist():
+            target.writestr(entry, source.read(entry.filename))
+    loaded = torch.load(repacked, weights_only=True)["model"]
+    assert all(torch.equal(loaded[name], tensor)
+               for name, tensor in training_state()["model"].items())
+    with pytest.raises(consolidate.ConsolidateError, match=(
+            r"checkpoint_last\.pt: its tensors are not stored where torch\.save puts them "
+            r"\(re-packed by another zip tool\?\)")):
+        consolidate.export_consolidated(tmp_path / "save", tmp_path / "model.pt")
+    assert not (tmp_path / "model.pt").exists()
+    consolidate.export_consolidated(original, tmp_path / "model.pt")  # torch's own: exported

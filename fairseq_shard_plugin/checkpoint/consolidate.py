@@ -68,7 +68,9 @@ from fairseq_shard_plugin.checkpoint.stored_tensors import (
     StoredTensorError,
     StreamedTensor,
     check_byte_order,
+    check_stored_where_torch_says,
     dcp_tensors,
+    record_offsets,
     stored_block,
 )
 from fairseq_shard_plugin.checkpoint.streaming_writer import (
@@ -162,9 +164,13 @@ class _TensorsInFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.planned: dict[tuple, StreamedTensor] = {}
+        self.offsets: frozenset[int] | None = None
 
     def __call__(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> LazyTensor:
         block = stored_block(self.path, tensor)
+        if self.offsets is None:
+            self.offsets = record_offsets(self.path)
+        check_stored_where_torch_says(block, self.offsets)
         streamed = StreamedTensor(block.shape, block.dtype, (block,)).cast(dtype)
         return self.planned.setdefault((block, streamed.dtype), streamed)
 

@@ -164,6 +164,25 @@ def check_byte_order(source: str | BinaryIO, where: str | Path) -> None:
                                 "and torch.save first")
 
 
+def record_offsets(path: Path) -> frozenset[int]:
+    """Where the bytes of each data record of the torch zip at ``path`` begin, read from
+    the zip's own headers. ``torch.load(map_location="meta")`` reads the first record's
+    place so and computes the others' from where torch's writer puts them: a zip re-packed
+    by another tool has them elsewhere."""
+    reader = torch._C.PyTorchFileReader(str(path))
+    return frozenset(reader.get_record_offset(name) for name in reader.get_all_records()
+                     if "/data/" in f"/{name}")
+
+
+def check_stored_where_torch_says(block: StoredBlock, offsets: frozenset[int]) -> None:
+    """Refuse a block whose place torch computed (see :func:`record_offsets`) but which no
+    record of its file starts at: its bytes would be another record's."""
+    if block.offset not in offsets:
+        raise StoredTensorError(
+            f"{block.file}: its tensors are not stored where torch.save puts them (re-packed "
+            "by another zip tool?), so they cannot be read in place: save it again with "
+            "torch.save(torch.load(FILE, weights_only=True), FILE2) and export that")
+
 class _FileView(io.RawIOBase):
     """Bytes ``[start, start + length)`` of an open binary file, as a file of their own."""
 
