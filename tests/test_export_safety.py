@@ -53,6 +53,34 @@ def test_an_export_never_replaces_training_state(save_dir: Path, output: str,
     assert not (save_dir.parent / "elsewhere").exists()
 
 
+def test_an_export_never_replaces_a_shard_file_or_a_file_that_is_not_a_checkpoint(
+    tmp_path: Path
+) -> None:
+    """The shard directory of the checkpoint being exported (its .distcp files, .metadata,
+    the plugin's marker) was writable by an export, which damaged every checkpoint sharing
+    it; any other existing file (the data's dictionary, say) was replaced silently."""
+    from fairseq_shard_plugin.checkpoint.sharded import MARKER, save_sharded
+
+    save_dir = tmp_path / "save"
+    save_dir.mkdir()
+    state = torch.load(_training_checkpoint(tmp_path / "full.pt", 4), weights_only=True)
+    torch.save(save_sharded(state, save_dir, num_updates=4), save_dir / "checkpoint_last.pt")
+    (shards,) = (save_dir / "checkpoint_shards").iterdir()
+    dictionary = tmp_path / "dict.src.txt"
+    dictionary.write_text("a 1\n")
+    targets = {**{path: "where sharded checkpoints keep their shards" for path in (
+        *shards.iterdir(), shards / "new.pt", save_dir / "checkpoint_shards" / "model.pt")},
+        dictionary: "it is an existing file that is not a checkpoint"}
+    assert shards / MARKER in targets and len(targets) > 4
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    for target, problem in targets.items():
+        with pytest.raises(consolidate.ConsolidateError, match=problem):
+            consolidate.export_consolidated(save_dir, target)
+    assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
+    consolidate.export_consolidated(save_dir, tmp_path / "model.pt")
+    consolidate.export_consolidated(save_dir, tmp_path / "model.pt")  # an export: replaced
+
+
 def test_a_source_replaced_while_it_is_read_writes_nothing(
     save_dir: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -55,7 +55,9 @@ from fairseq_shard_plugin.checkpoint.reading import (
 from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
 from fairseq_shard_plugin.checkpoint.shard_metadata import SafeFileSystemReader
 from fairseq_shard_plugin.checkpoint.sharded import (
+    MARKER,
     SHARDED_KEY,
+    SHARDS_DIR,
     ShardedCheckpointError,
     fill_tensors,
     full_tensors,
@@ -254,20 +256,36 @@ def holds_training_state(path: Path) -> bool:
                                         or is_sharded_index(state))
 
 
+def _is_torch_file(path: Path) -> bool:
+    try:
+        checkpoint_format(path)
+    except (NotACheckpointError, OSError):
+        return False
+    return True
+
+
 def export_target_problem(destination: str | Path, source: Path | None = None,
                           save_dir: str | Path | None = None) -> str | None:
     """Why an export must not be written to ``destination``, or None: it would replace the
-    checkpoint it is read from (``source``) or another training checkpoint, or take a name
+    checkpoint it is read from (``source``), another training checkpoint, a file of a
+    sharded checkpoint's shard directory or a file that is not a checkpoint, or take a name
     fairseq resumes from (``checkpoint_last.pt``), or any of fairseq's checkpoint names in
     the training's ``save_dir``: a resume would then restart at update 0 from weights
     without optimizer state and overwrite the save dir's checkpoints."""
     destination = Path(destination)
+    folder = destination.parent.resolve()
+    for each in (folder, *folder.parents):
+        if each.name == SHARDS_DIR or (each / MARKER).exists():
+            return (f"it is inside {each}, where sharded checkpoints keep their shards "
+                    "(replacing a file there damages them)")
     if destination.is_symlink() or destination.is_file():
         if source is not None and destination.exists() and os.path.samefile(destination,
                                                                             source):
             return f"it is the checkpoint being exported ({source})"
         if holds_training_state(destination):
             return "it holds a training checkpoint (optimizer state), which it would replace"
+        if destination.is_file() and not _is_torch_file(destination):
+            return "it is an existing file that is not a checkpoint, which it would replace"
     if re.fullmatch(r"checkpoint_last\S*\.pt", destination.name):
         return "fairseq resumes training from checkpoint_last*.pt"
     if save_dir is not None and _TRAINING_NAME.fullmatch(destination.name) \
