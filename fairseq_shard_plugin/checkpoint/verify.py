@@ -13,7 +13,7 @@ the path of the resumable checkpoint with the most updates, for a resume script'
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,19 +46,63 @@ class Verdict:
     resumable: bool = False  # intact, with optimizer state (not an export for inference)
 
 
-def _position(state: Any) -> tuple[int, str]:
-    """The update count and ``update N, epoch E`` as fairseq stored them (``?`` if absent)."""
-    updates = (state.get("optimizer_history") or [{}])[-1].get("num_updates")
-    epoch = ((state.get("extra_state") or {}).get("train_iterator") or {}).get("epoch", "?")
-    return (-1 if updates is None else int(updates),
-            f"update {'?' if updates is None else updates}, epoch {epoch}")
+_UPDATES = ("optimizer_history", -1, "num_updates")
+_EPOCH = ("extra_state", "train_iterator", "epoch")
+# The fields a resume reads (and verify reports), parents first, with the type fairseq
+# writes; an index -1 is a list's last item.
+_RESUME_FIELDS: tuple[tuple[tuple[str | int, ...], type], ...] = (
+    (("optimizer_history",), list),
+    (("optimizer_history", -1), dict),
+    (_UPDATES, int),
+    (("extra_state",), dict),
+    (("extra_state", "train_iterator"), dict),
+    (_EPOCH, int),
+)
+
+
+def _field(state: dict[str, Any], keys: tuple[str | int, ...]) -> Any:
+    """The value at ``keys`` (None where absent or empty); its parents must have the types
+    of :data:`_RESUME_FIELDS`."""
+    value: Any = state
+    for key in keys:
+        if isinstance(key, int):
+            value = value[key] if value else None
+        else:
+            value = value.get(key)
+        if value is None:
+            return None
+    return value
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
+def _misshapen_field(state: dict[str, Any]) -> str | None:
+    """The first field a resume reads that is not of the type fairseq writes, described."""
+    for keys, kind in _RESUME_FIELDS:
+        value = _field(state, keys)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+            name = str(keys[0]) + "".join(f"[{key!r}]" for key in keys[1:])
+            return f"its {name} is {_a(type(value).__name__)}, not {_a(kind.__name__)}"
+    return None
+
+
+def _position(state: dict[str, Any]) -> tuple[int, str]:
+    """The update count and ``update N, epoch E`` as fairseq stored them (``?`` if absent);
+    the fields must have passed :func:`_misshapen_field`."""
+    updates, epoch = _field(state, _UPDATES), _field(state, _EPOCH)
+    shown = ["?" if value is None else value for value in (updates, epoch)]
+    return -1 if updates is None else updates, f"update {shown[0]}, epoch {shown[1]}"
 
 
 def _rank_file_kind(path: Path, state: dict[str, Any]) -> str:
     """How one rank's file of stock ``fully_sharded``'s state is described: which rank of
     how many (every file of the set is needed: :func:`check` also judges the set)."""
-    ranks = ((state.get("cfg") or {}).get("distributed_training") or {}).get(
-        "distributed_world_size", "?")
+    ranks: Any = state.get("cfg")
+    for key in ("distributed_training", "distributed_world_size"):
+        ranks = ranks.get(key) if isinstance(ranks, Mapping) else None
+    ranks = ranks if isinstance(ranks, int) else "?"
     rank = rank_in_name(path)
     return f"rank {'?' if rank is None else rank} of {ranks} of fairseq's fully_sharded state"
 
@@ -75,6 +119,9 @@ def check(path: Path) -> Verdict:
     if not isinstance(state["model"], dict):
         return Verdict(path, False, f"{path}: not a fairseq checkpoint (its 'model' is a "
                        f"{type(state['model']).__name__}, not a dict of tensors)")
+    misshapen = _misshapen_field(state)
+    if misshapen:
+        return Verdict(path, False, f"{path}: not a usable fairseq checkpoint ({misshapen})")
     if is_sharded_index(state):
         try:
             read_shard_metadata(path, state)
