@@ -80,6 +80,10 @@ CHECKED = {
         "--loss-chunk-tokens", "0"],
     "--layers-per-unit 0: give 1 (every layer its own unit) or more": [
         "--task", "sharded_translation", "--layers-per-unit", "0"],
+    # 2 % -1 == 0: every rank failed in the device mesh's shape, in a traceback
+    "--shard-group-size -1: give the ranks of one shard group": [
+        "--task", "sharded_translation", "--shard-strategy", "hybrid", "--shard-group-size",
+        "-1"],
     "--update-freq 1,2 is a schedule: give --fp16-scale-window N": [
         "--fp16", "--update-freq", "1,2"],
     f"--export-consolidated {Path(__file__) / 'model.pt'}: {Path(__file__)} is not a "
@@ -175,6 +179,36 @@ def test_unworkable_options_are_named_in_one_line(corpus: Path, named: str) -> N
         check_sharded_config(sharded_config(corpus, "--cpu", "--optimizer", "adam",
                                             *CHECKED[named]))
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("entry", ["checkpoint_last.pt", "checkpoint_last-shard0.pt",
+                                   "checkpoint_shards"])
+@pytest.mark.parametrize("kind", ["directory", "dangling link", "file"])
+def test_what_the_save_dir_holds_under_its_own_names_is_checked_first(
+    corpus: Path, tmp_path: Path, entry: str, kind: str
+) -> None:
+    """A directory or a dangling link as checkpoint_last.pt: fairseq trained from scratch
+    and replaced the earlier run's checkpoint_best.pt, failing only at its last save; a
+    file (or a dangling link) as checkpoint_shards failed only at the first save."""
+    save_dir = tmp_path / "save"
+    save_dir.mkdir()
+    path = save_dir / entry
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "dangling link":
+        path.symlink_to(tmp_path / "gone")
+    else:
+        path.write_bytes(b"not a directory")
+    cfg = sharded_config(corpus, "--cpu", "--optimizer", "adam", "--task", "sharded_translation",
+                         "--checkpoint-format", "sharded", "--save-dir", str(save_dir))
+    acceptable = kind == ("directory" if entry == "checkpoint_shards" else "file")
+    if acceptable:  # a checkpoint file, or the shards' directory
+        check_sharded_config(cfg)
+        return
+    with pytest.raises(ShardingConfigError, match=f"^{re.escape(str(path))} is ") as refused:
+        check_sharded_config(cfg)
+    assert ("move it out of the save dir" in str(refused.value)
+            or "sharded checkpoints keep their shards in that directory" in str(refused.value))
 
 
 def test_fairseqs_default_backend_on_cpu_ranks_is_one_line(corpus: Path) -> None:

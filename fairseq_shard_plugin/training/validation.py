@@ -9,6 +9,7 @@ from typing import Any
 from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_WRAP
 
 from fairseq_shard_plugin.checkpoint.consolidate import export_target_problem
+from fairseq_shard_plugin.checkpoint.sharded import SHARDS_DIR
 from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
 from fairseq_shard_plugin.sharding.settings import shard_group_size
@@ -28,6 +29,7 @@ def check_sharded_config(cfg: Any) -> None:
     _check_values(cfg)
     _check_parallelism_and_launch(cfg)
     _check_restore_file(cfg.checkpoint)
+    _check_save_dir_entries(cfg)
     check_fairscale_engine(cfg)
 
 
@@ -77,6 +79,10 @@ def _check_plugin_options(cfg: Any) -> None:
     """The plugin's own options, alone and against fairseq's checkpoint and precision flags."""
     dist_cfg = cfg.distributed_training
     options = sharding_options(cfg.task)
+    if options.shard_group_size < 0:
+        raise ShardingConfigError(
+            f"--shard-group-size {options.shard_group_size}: give the ranks of one shard group "
+            "(a divisor of the world size), or 0 for the ranks per node")
     if options.shard_strategy == "hybrid":
         if options.shard_engine != "fsdp2":
             raise ShardingConfigError(
@@ -193,6 +199,29 @@ def _check_restore_file(checkpoint_cfg: Any) -> None:
     if finetune and "://" not in finetune and not os.path.exists(last):  # fairseq reads it
         _check_checkpoint_file("--finetune-from-model", finetune,
                                "the path of an existing checkpoint file")
+
+
+def _check_save_dir_entries(cfg: Any) -> None:
+    """What the save dir holds under the names a run resumes from and saves to: a directory
+    or a dangling link as ``checkpoint_last.pt`` (or stock ``fully_sharded``'s
+    ``-shard0.pt``) made fairseq train from scratch and save over the save dir's
+    checkpoints; a file as ``checkpoint_shards`` failed only at the first sharded save."""
+    checkpoint_cfg = cfg.checkpoint
+    save_dir = Path(checkpoint_cfg.save_dir)
+    last = save_dir / f"checkpoint_last{checkpoint_cfg.checkpoint_suffix or ''}.pt"
+    for name in (last, last.with_name(last.stem + "-shard0.pt")):
+        if os.path.lexists(name) and not name.is_file():
+            what = "a directory" if name.is_dir() else "a link to nothing"
+            raise ShardingConfigError(
+                f"{name} is {what}, not a checkpoint: fairseq would train from scratch and "
+                f"then save over {save_dir}'s checkpoints; move it out of the save dir")
+    shards = save_dir / SHARDS_DIR
+    if checkpoint_format(cfg) == "sharded" and os.path.lexists(shards) and not shards.is_dir():
+        what = (f"a link to {os.readlink(shards)}, which does not exist" if shards.is_symlink()
+                else "a file")
+        raise ShardingConfigError(
+            f"{shards} is {what}: sharded checkpoints keep their shards in that directory; "
+            "move it away (or link it to an existing directory)")
 
 
 def _check_checkpoint_file(flag: str, path: str, advice: str) -> None:
