@@ -7,13 +7,22 @@ or the file system); no training runs.
 
 from __future__ import annotations
 
+import pickle
+import re
+import struct
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from fairseq_shard_plugin.checkpoint import verify
+from fairseq_shard_plugin.checkpoint import consolidate, verify
+from fairseq_shard_plugin.checkpoint.integrity import (
+    RESUME_HINT,
+    UnreadableEntry,
+    damaged_zip_entries,
+)
 from fairseq_shard_plugin.cli import verify as cli_verify
 
 
@@ -81,3 +90,49 @@ def test_a_rank_file_with_an_odd_cfg_is_described(tmp_path: Path) -> None:
     verdict = verify.check(path)
     assert not verdict.intact
     assert verdict.line.endswith("without its set's NAME-shard0.pt beside it"), verdict.line
+
+
+# ---------------------------------------------------------------- zip entries torch never writes
+
+
+def _with_odd_entry(path: Path, how: str) -> None:
+    """Append entry ``STEM/zzextra`` to the zip at ``path`` (torch.save's entries are all
+    under the file's stem), then flag it encrypted or give it compression method 99 (in its
+    central directory record and its local header)."""
+    with zipfile.ZipFile(path, "a", zipfile.ZIP_STORED) as archive:
+        archive.writestr(f"{path.stem}/zzextra", b"hello")
+    data = bytearray(path.read_bytes())
+    record = data.rfind(b"PK\x01\x02")  # the central directory record of the last entry
+    header = struct.unpack_from("<I", data, record + 42)[0]
+    field, offset = (8, 6) if how == "encrypted" else (10, 8)
+    value = 1 if how == "encrypted" else 99
+    struct.pack_into("<H", data, record + field, value)
+    struct.pack_into("<H", data, header + offset, value)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("how", "reason"), [
+    ("encrypted", "it is encrypted"),
+    ("method99", "compression method 99, flags 0x0: NotImplementedError: "),
+])
+def test_an_entry_that_cannot_be_read_is_named_in_one_line(
+    tmp_path: Path, how: str, reason: str
+) -> None:
+    path = tmp_path / "checkpoint_last.pt"
+    torch.save(_fairseq_state(), path)
+    _with_odd_entry(path, how)
+    expected = (f"{path}: corrupted checkpoint: checkpoint_last/zzextra cannot be read back "
+                f"({reason}")
+    verdict = verify.check(path)
+    assert not verdict.intact and verdict.line.startswith(expected), verdict.line
+    assert "\n" not in verdict.line and verdict.line.endswith(RESUME_HINT)
+    with pytest.raises(consolidate.ConsolidateError, match=re.escape(expected)):
+        consolidate.export_consolidated(path, tmp_path / "out.pt")
+    assert damaged_zip_entries(path, collective=True) == ["checkpoint_last/zzextra"]
+
+
+def test_the_reason_survives_the_gathering_from_every_rank() -> None:
+    """``damaged_zip_entries(collective=True)`` pickles the names to every rank."""
+    entry = pickle.loads(pickle.dumps(UnreadableEntry("archive/x", "it is encrypted")))
+    assert isinstance(entry, UnreadableEntry)
+    assert (entry, entry.reason) == ("archive/x", "it is encrypted")

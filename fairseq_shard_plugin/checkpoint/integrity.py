@@ -25,6 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 _CHUNK = 16 << 20
+_ENCRYPTED = 0x1  # a zip entry's general purpose flag bit
 METADATA = ".metadata"  # DCP's file of tensor names, shapes and chunk offsets
 # What every refusal of a damaged checkpoint ends with.
 RESUME_HINT = ("resume from an intact checkpoint with --restore-file (fairseq-shard-verify "
@@ -60,8 +61,42 @@ def _everyones(found: list[str], collective: bool) -> list[str]:
     return sorted(name for part in _from_every_rank(found, collective) for name in part)
 
 
+class UnreadableEntry(str):
+    """The name of a zip entry that cannot even be read back; ``reason`` says why."""
+
+    reason: str
+
+    def __new__(cls, name: str, reason: str) -> UnreadableEntry:
+        entry = super().__new__(cls, name)
+        entry.reason = reason
+        return entry
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # gathered from every rank
+        return UnreadableEntry, (str(self), self.reason)
+
+
+def _entry_problem(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> str | None:
+    """The name of ``info`` if its bytes do not read back intact (an :class:`UnreadableEntry`
+    where they cannot be read at all), else None."""
+    if info.flag_bits & _ENCRYPTED:
+        return UnreadableEntry(info.filename, "it is encrypted")
+    try:
+        with archive.open(info) as entry:
+            while entry.read(_CHUNK):
+                pass
+    except (zipfile.BadZipFile, OSError, EOFError):
+        return info.filename
+    except Exception as error:  # anything else this data makes zipfile raise
+        detail = (str(error).splitlines() or [""])[0][:200]
+        return UnreadableEntry(info.filename, f"compression method {info.compress_type}, "
+                               f"flags {info.flag_bits:#x}: {type(error).__name__}: {detail}")
+    return None
+
+
 def damaged_zip_entries(path: Path, collective: bool = False) -> list[str]:
-    """Entries of a ``torch.save`` zip whose CRC-32 does not match their bytes.
+    """Entries of a ``torch.save`` zip whose CRC-32 does not match their bytes, or that
+    cannot be read back at all (encrypted, an unknown compression method: torch.save
+    writes neither).
 
     Files that are not zip archives (truncated ones included) return no entries: reading
     them fails later with its own message.
@@ -69,14 +104,10 @@ def damaged_zip_entries(path: Path, collective: bool = False) -> list[str]:
     damaged: list[str] = []
     if zipfile.is_zipfile(path):
         with zipfile.ZipFile(path) as archive:
-            names = _my_share([info.filename for info in archive.infolist()], collective)
-            for name in names:
-                try:
-                    with archive.open(name) as entry:
-                        while entry.read(_CHUNK):
-                            pass
-                except (zipfile.BadZipFile, OSError, EOFError):
-                    damaged.append(name)
+            infos = archive.infolist()
+            mine = set(_my_share([info.filename for info in infos], collective))
+            problems = (_entry_problem(archive, info) for info in infos if info.filename in mine)
+            damaged = [problem for problem in problems if problem is not None]
     return _everyones(damaged, collective)
 
 
@@ -102,6 +133,10 @@ def mismatched_shard_files(
 
 def corruption_message(checkpoint: str | Path, damaged: list[str]) -> str:
     """One line naming the checkpoint and its first damaged part (zip entry or shard file)."""
+    first = damaged[0]
     more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
-    return (f"{checkpoint}: corrupted checkpoint: {damaged[0]}{more} fails its CRC-32 check "
-            f"(its bytes changed after it was saved); {RESUME_HINT}")
+    problem = "fails its CRC-32 check (its bytes changed after it was saved)"
+    if isinstance(first, UnreadableEntry):
+        problem = (f"cannot be read back ({first.reason}; torch.save writes no such entry: "
+                   "the file was changed after it was saved)")
+    return f"{checkpoint}: corrupted checkpoint: {first}{more} {problem}; {RESUME_HINT}"
