@@ -72,7 +72,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    full tensors read in one process otherwise. While the trainer loads, a full checkpoint
    written without the plugin also has its optimizer entry relabelled for the sharded
    optimizer when its state fits (fairseq's Trainer asserts the class names match and has
-   no hook in between; ``stock_optimizer_state``), and one rank's file of stock
+   no hook in between; ``stock_optimizer_state``; and, while fairseq's own trainer loads
+   under another backend, the plugin's optimizer entry for fairseq's optimizer), and one
+   rank's file of stock
    ``fully_sharded``'s per-rank state becomes the whole set's full state
    (``fairscale_shards``). Every load also gets ``langs`` as a
    list where an earlier version saved the ``--langs`` file's path (the nllb branch's
@@ -191,6 +193,7 @@ from fairseq_shard_plugin.checkpoint.portable import (
     with_model_namespace,
 )
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
+from fairseq_shard_plugin.checkpoint.stock_optimizer_state import give_to_stock_optimizer
 from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.memory.metrics import MaxMeter
 from fairseq_shard_plugin.sharding.options import (
@@ -216,6 +219,7 @@ from fairseq_shard_plugin.training.run_hooks import (
     mark_export_follows_training,
     note_checkpoint_read,
     settings_of_training,
+    stock_trainer_optimizer,
     training_with,
 )
 from fairseq_shard_plugin.training.signal_stop import stopped_by
@@ -538,6 +542,9 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
         elif is_sharded_index(state):
             state = _full_tensors_of_index(path, state)
         note_checkpoint_read(path, state)  # the task checks the model it builds next
+        optimizer = stock_trainer_optimizer()
+        if optimizer is not None and isinstance(state, dict):  # fairseq's own trainer
+            give_to_stock_optimizer(path, state, optimizer())
         return state
 
     return _marked(load_checkpoint_to_cpu, stock_load)

@@ -83,6 +83,21 @@ def test_a_run_resumed_from_checkpoint1_ends_exactly_as_the_uninterrupted_one(
     assert all(torch.equal(final[0][name], final[1][name]) for name in final[0])
 
 
+def test_a_plugin_checkpoint_resumes_under_legacy_ddp_with_its_adam_moments(
+    runs: dict, corpus: Path, tmp_path: Path,
+) -> None:
+    """fairseq's Trainer refused it ("Optimizer does not match ... ShardedMasterOptimizer vs
+    FairseqAdam"), and its --reset-optimizer restarts at update 0: the plugin's fp32 state
+    is stock's layout, so it is handed over and the run ends as legacy_ddp's own did."""
+    shutil.copyfile(runs["work"] / "fully_sharded" / "full" / "checkpoint1.pt",
+                    tmp_path / "checkpoint_last.pt")
+    resumed = _train(corpus, tmp_path, "legacy_ddp")
+    full = result_of(runs["full"], "legacy_ddp")
+    assert resumed["train_num_updates"] == full["train_num_updates"]
+    for key in ("train_loss", "train_nll_loss", "train_gnorm"):
+        assert float(resumed[key]) == pytest.approx(float(full[key]), rel=1e-3), key
+
+
 def test_a_checkpoint_rewritten_in_place_after_the_load_leaves_the_trainer_state_alone(
     runs: dict, corpus: Path, tmp_path: Path,
 ) -> None:

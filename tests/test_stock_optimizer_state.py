@@ -50,3 +50,34 @@ def test_state_that_does_not_fit_is_refused_in_one_line(
                                     SHAPES)
     assert message in str(refused.value) and "\n" not in str(refused.value)
     assert state["optimizer_history"][-1]["optimizer_name"] == saved  # untouched
+
+
+def test_the_plugins_state_goes_to_fairseqs_own_optimizer_only_where_it_fits() -> None:
+    """The other way round (a plugin checkpoint resumed under legacy_ddp, end to end in
+    test_resume_safety.py): fairseq's Adam over the same parameters takes it; an optimizer
+    over one flat fp32 copy (stock --fp16's FP16Optimizer) is refused in one line."""
+    from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
+    from omegaconf import OmegaConf
+
+    from fairseq_shard_plugin.checkpoint.stock_optimizer_state import give_to_stock_optimizer
+
+    def adam(shapes: list[torch.Size]) -> FairseqAdam:
+        parameters = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+        return FairseqAdam(OmegaConf.structured(FairseqAdamConfig(lr=[0.1], tpu=False)),
+                           parameters)
+
+    state = stock_state("ShardedMasterOptimizer", SHAPES)
+    give_to_stock_optimizer("c.pt", state, adam(SHAPES))
+    assert state["optimizer_history"][-1]["optimizer_name"] == "FairseqAdam"
+    state = stock_state("ShardedMasterOptimizer", SHAPES)
+    with pytest.raises(CheckpointLoadError) as refused:
+        give_to_stock_optimizer("c.pt", state, adam([torch.Size([36])]))
+    assert str(refused.value) == (
+        "c.pt: its optimizer state (the plugin's, one entry per parameter) does not fit "
+        "fairseq's FairseqAdam (exp_avg of parameter 0 has shape [8, 4], the parameter "
+        "[36]); add --reset-optimizer to start the optimizer afresh, or resume with "
+        "--ddp-backend fully_sharded")
+    assert state["optimizer_history"][-1]["optimizer_name"] == "ShardedMasterOptimizer"
+    other = stock_state("SGD", SHAPES)  # not the plugin's: fairseq's own check decides
+    give_to_stock_optimizer("c.pt", other, adam(SHAPES))
+    assert other["optimizer_history"][-1]["optimizer_name"] == "SGD"

@@ -6,7 +6,9 @@ saves exactly what stock fairseq saves for fp32 runs (the wrapped optimizer's st
 entry per parameter) and for ``--memory-efficient-fp16`` runs (the same plus
 ``loss_scale``), so such checkpoints are relabelled and resumed with their moments. State
 whose layout differs (stock ``--fp16`` keeps one flattened fp32 copy of all parameters)
-is refused in one line that says to add ``--reset-optimizer``.
+is refused in one line that says to add ``--reset-optimizer``. The other way round, a
+checkpoint of the plugin resumed under another ``--ddp-backend`` (fairseq's own trainer
+and optimizer) is relabelled for it where the layout fits.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 
 from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError
 
+# the plugin's optimizer (sharding.precision.ShardedMasterOptimizer), as checkpoints name it
+PLUGINS = "ShardedMasterOptimizer"
 # fairseq's 16-bit wrappers whose state is the wrapped optimizer's (+ loss_scale)
 STOCK_WRAPPERS = ("FP16Optimizer", "MemoryEfficientFP16Optimizer")
 
@@ -64,3 +68,22 @@ def adopt_stock_optimizer_state(
             f"by one ({problem}; stock --fp16 flattens them); add --reset-optimizer to start "
             "the optimizer afresh")
     history[-1]["optimizer_name"] = ours
+
+
+def give_to_stock_optimizer(filename: str, state: dict[str, Any], optimizer: Any) -> None:
+    """Relabel ``state``'s last optimizer entry, saved by the plugin's optimizer, for
+    fairseq's own ``optimizer`` (a run resumed under another ``--ddp-backend``) where its
+    per-parameter state fits, in place; refuse it in one line otherwise (stock ``--fp16``
+    keeps one flat fp32 copy)."""
+    history = state.get("optimizer_history") or [{}]
+    if "last_optimizer_state" not in state or history[-1].get("optimizer_name") != PLUGINS:
+        return
+    stock = type(optimizer).__name__
+    problem = layout_problem(state["last_optimizer_state"],
+                             [parameter.shape for parameter in optimizer.params])
+    if problem:
+        raise StockOptimizerStateError(
+            f"{filename}: its optimizer state (the plugin's, one entry per parameter) does "
+            f"not fit fairseq's {stock} ({problem}); add --reset-optimizer to start the "
+            "optimizer afresh, or resume with --ddp-backend fully_sharded")
+    history[-1]["optimizer_name"] = stock

@@ -20,6 +20,7 @@ from typing import Any
 from fairseq.logging import metrics
 
 from fairseq_shard_plugin.checkpoint.reading import private_copies_of_mapped
+from fairseq_shard_plugin.training.run_hooks import loading_into_stock_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,9 @@ def release_checkpoint_pages(trainer: Any) -> int:
 
 @functools.cache
 def with_private_loaded_state(stock_trainer: type) -> type:
-    """``stock_trainer`` whose ``load_checkpoint`` reads the file on every rank and ends
-    with :func:`release_checkpoint_pages`."""
+    """``stock_trainer`` whose ``load_checkpoint`` reads the file on every rank, takes the
+    plugin's optimizer state where its layout fits (hook 6) and ends with
+    :func:`release_checkpoint_pages`."""
 
     class PrivateStateTrainer(stock_trainer):  # type: ignore[misc, valid-type]
         def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
@@ -49,7 +51,8 @@ def with_private_loaded_state(stock_trainer: type) -> type:
                 # every rank reads the file: rank 0's broadcast re-pickles the loaded
                 # OmegaConf config, which torch >= 2.6 refuses to unpickle on the others
                 self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
-            extra_state = super().load_checkpoint(*args, **kwargs)
+            with loading_into_stock_trainer(lambda: self.optimizer):
+                extra_state = super().load_checkpoint(*args, **kwargs)
             release_checkpoint_pages(self)
             return extra_state
 

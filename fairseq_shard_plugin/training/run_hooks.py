@@ -20,6 +20,7 @@ import torch
 
 TrainerLoader = Callable[[str, dict[str, Any]], dict[str, Any]]
 _trainer_loaders: list[TrainerLoader] = []
+_stock_optimizers: list[Callable[[], Any]] = []
 _export_follows_main = False
 _settings_of_training: list[Any] = []
 _checkpoint_read: list[CheckpointRead | None] = [None]
@@ -79,6 +80,22 @@ def loading_into_trainer(loader: TrainerLoader) -> Iterator[None]:
     finally:
         _trainer_loaders.pop()
 
+
+@contextlib.contextmanager
+def loading_into_stock_trainer(optimizer: Callable[[], Any]) -> Iterator[None]:
+    """While fairseq's own trainer (any other ``--ddp-backend``, hook 2) loads a checkpoint:
+    ``optimizer`` gives the optimizer it resumes, whose name and layout hook 6 compares with
+    a checkpoint the plugin's optimizer saved."""
+    _stock_optimizers.append(optimizer)
+    try:
+        yield
+    finally:
+        _stock_optimizers.pop()
+
+
+def stock_trainer_optimizer() -> Callable[[], Any] | None:
+    """:func:`loading_into_stock_trainer`'s ``optimizer``, or None."""
+    return _stock_optimizers[-1] if _stock_optimizers else None
 
 def active_trainer_loader() -> TrainerLoader | None:
     """The loader of the trainer loading a checkpoint now, if any."""
