@@ -1,29 +1,38 @@
 """``fairseq-shard-verify`` on files crafted to be odd rather than damaged: each is reported
 in one line, the other files are still listed, and nothing outside the checkpoint is read.
 
-Every file here is written by the test with ``torch.save`` (and altered with ``zipfile``
-or the file system); no training runs.
+Every file here is written by the test with ``torch.save`` or ``save_sharded`` (in a
+one-rank gloo group), then altered with ``zipfile`` or the file system; no training runs.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
+import shutil
 import struct
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from fairseq_shard_plugin.checkpoint import consolidate, verify
+from fairseq_shard_plugin.checkpoint import consolidate, integrity, verify
 from fairseq_shard_plugin.checkpoint.integrity import (
     RESUME_HINT,
     UnreadableEntry,
+    UnsafeShardFileError,
     damaged_zip_entries,
+    mismatched_shard_files,
 )
+from fairseq_shard_plugin.checkpoint.sharded import SHARDED_KEY, save_sharded
 from fairseq_shard_plugin.cli import verify as cli_verify
+
+_file_crc32 = integrity.file_crc32
 
 
 def _fairseq_state(**changed: Any) -> dict[str, Any]:
@@ -136,3 +145,119 @@ def test_the_reason_survives_the_gathering_from_every_rank() -> None:
     entry = pickle.loads(pickle.dumps(UnreadableEntry("archive/x", "it is encrypted")))
     assert isinstance(entry, UnreadableEntry)
     assert (entry, entry.reason) == ("archive/x", "it is encrypted")
+
+
+# ---------------------------------------------------------------- a sharded index's checksums
+
+
+class _Reads:
+    """Records which files ``file_crc32`` opens."""
+
+    def __init__(self) -> None:
+        self.paths: list[Path] = []
+
+    def __call__(self, path: Path) -> int:
+        self.paths.append(path)
+        return _file_crc32(path)
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> _Reads:
+    recorder = _Reads()
+    monkeypatch.setattr(integrity, "file_crc32", recorder)
+    return recorder
+
+
+def _shard_dir(tmp_path: Path) -> tuple[Path, dict[str, int]]:
+    """A directory with one shard file and its checksum."""
+    directory = tmp_path / "shards"
+    directory.mkdir()
+    (directory / "__0_0.distcp").write_bytes(b"tensor bytes")
+    return directory, {"__0_0.distcp": _file_crc32(directory / "__0_0.distcp")}
+
+
+@pytest.mark.parametrize("kind", ["symlink_out", "dangling_out", "fifo", "fifo_link",
+                                  "directory", "symlink_loop"])
+def test_a_checksummed_name_that_is_no_regular_file_inside_is_not_opened(
+    tmp_path: Path, reads: _Reads, kind: str
+) -> None:
+    directory, checksums = _shard_dir(tmp_path)
+    extra = directory / "extra.distcp"
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not the plugin's")
+    if kind == "symlink_out":
+        extra.symlink_to(outside)
+    elif kind == "dangling_out":
+        extra.symlink_to(tmp_path / "nowhere")
+    elif kind == "fifo":
+        os.mkfifo(extra)
+    elif kind == "fifo_link":
+        os.mkfifo(directory / "pipe")
+        extra.symlink_to("pipe")
+    elif kind == "directory":
+        extra.mkdir()
+    else:
+        extra.symlink_to("extra.distcp")
+    with pytest.raises(UnsafeShardFileError) as error:
+        mismatched_shard_files(directory, {**checksums, "extra.distcp": 0})
+    message = str(error.value)
+    assert message.startswith(f"the sharded checkpoint's checksums name {extra}, which ")
+    assert message.endswith(f": refused unread; {RESUME_HINT}") and "\n" not in message
+    assert reads.paths == []
+
+
+@pytest.mark.parametrize("name", ["../outside.bin", "/etc/passwd", "..", "", 7])
+def test_a_checksummed_name_that_is_no_file_name_is_not_opened(
+    tmp_path: Path, reads: _Reads, name: Any
+) -> None:
+    directory, checksums = _shard_dir(tmp_path)
+    with pytest.raises(UnsafeShardFileError, match=re.escape(
+            f"checksums name {str(name)!r}, which is not a file name of {directory}")):
+        mismatched_shard_files(directory, {**checksums, name: 0})
+    assert reads.paths == []
+
+
+def test_a_symlink_inside_its_directory_is_still_checked(tmp_path: Path, reads: _Reads) -> None:
+    directory, checksums = _shard_dir(tmp_path)
+    (directory / "copy.distcp").symlink_to("__0_0.distcp")
+    assert mismatched_shard_files(directory, {**checksums, "copy.distcp": 1}) == ["copy.distcp"]
+    assert len(reads.paths) == 2
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A save dir with one genuine sharded checkpoint, saved in a one-rank gloo group."""
+    root = tmp_path_factory.mktemp("sharded")
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 1),
+                                rank=0, world_size=1)
+    save_dir = root / "save"
+    index = save_sharded(_fairseq_state(), save_dir, num_updates=6)
+    torch.save(index, save_dir / "checkpoint_last.pt")
+    yield save_dir
+    if started:
+        dist.destroy_process_group()
+
+
+def test_verify_refuses_a_checksummed_symlink_out_in_one_line(
+    sharded: Path, tmp_path: Path, reads: _Reads
+) -> None:
+    save_dir = tmp_path / "save"
+    shutil.copytree(sharded, save_dir)
+    index_file = save_dir / "checkpoint_last.pt"
+    assert verify.check(index_file).intact
+    reads.paths.clear()
+    index = torch.load(index_file, weights_only=True)
+    directory = save_dir / index[SHARDED_KEY]["dir"]
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"x")
+    (directory / "extra.distcp").symlink_to(outside)
+    index[SHARDED_KEY]["crc32"]["extra.distcp"] = 0
+    torch.save(index, index_file)
+    verdict = verify.check(index_file)
+    assert not verdict.intact
+    assert verdict.line.startswith(f"{index_file}: the sharded checkpoint's checksums name "
+                                   f"{directory / 'extra.distcp'}, which resolves to "
+                                   f"{outside}, outside its directory"), verdict.line
+    assert reads.paths == []

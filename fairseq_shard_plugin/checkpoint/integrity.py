@@ -23,6 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from fairseq_shard_plugin.checkpoint.shard_metadata import shard_files_outside
+from fairseq_shard_plugin.errors import ShardPluginError
 
 _CHUNK = 16 << 20
 _ENCRYPTED = 0x1  # a zip entry's general purpose flag bit
@@ -121,10 +126,49 @@ def shard_checksums(directory: Path, collective: bool = True) -> dict[str, int]:
             for name, crc in part.items()}
 
 
+class UnsafeShardFileError(ShardPluginError, RuntimeError):
+    """A name in a sharded index's checksums that is not a regular file of its shard
+    directory (or no file name at all): refused without opening it."""
+
+
+def _resolves_outside(directory: Path, name: str) -> bool:
+    """:func:`shard_files_outside`'s check (a symlink out of ``directory``, say) for one
+    name, given as the only shard file of a metadata record."""
+    listing = Metadata(state_dict_metadata={},
+                       storage_data={MetadataIndex(name): _StorageInfo(name, 0, 0)})
+    return bool(shard_files_outside(directory, listing))
+
+
+def _why_not_to_open(directory: Path, name: Any) -> str | None:
+    """Why the file the index names ``name`` must not be opened; None where it is a regular
+    file of ``directory`` or absent (absent ones are reported as mismatched)."""
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        return f"{str(name)[:200]!r}, which is not a file name of {directory}"
+    path = directory / name
+    try:
+        if _resolves_outside(directory, name):
+            return (f"{path}, which resolves to {path.resolve()}, outside its directory "
+                    "(a symlink?)")
+        if path.exists() and not path.is_file():
+            return f"{path}, which is not a regular file (a FIFO, a device, a directory?)"
+    except (OSError, RuntimeError) as error:  # a symlink loop, a name too long
+        return f"{path}, which cannot be resolved ({type(error).__name__})"
+    return None
+
+
 def mismatched_shard_files(
     directory: Path, checksums: dict[str, int], collective: bool = False
 ) -> list[str]:
-    """Shard files whose CRC-32 differs from the recorded one (missing files included)."""
+    """Shard files whose CRC-32 differs from the recorded one (missing files included).
+
+    Every rank first checks every name without opening it: one that is no regular file of
+    ``directory`` raises :class:`UnsafeShardFileError` on all ranks alike.
+    """
+    for name in checksums:
+        problem = _why_not_to_open(directory, name)
+        if problem:
+            raise UnsafeShardFileError(f"the sharded checkpoint's checksums name {problem}: "
+                                       f"refused unread; {RESUME_HINT}")
     names = _my_share(sorted(checksums), collective)
     bad = [name for name in names if not (directory / name).is_file()
            or file_crc32(directory / name) != checksums[name]]

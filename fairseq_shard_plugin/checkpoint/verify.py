@@ -25,7 +25,11 @@ from fairseq_shard_plugin.checkpoint.fairscale_sets import (
     rank_zero_file,
     set_problem,
 )
-from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
+from fairseq_shard_plugin.checkpoint.integrity import (
+    UnsafeShardFileError,
+    corruption_message,
+    damaged_zip_entries,
+)
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
 from fairseq_shard_plugin.checkpoint.sharded import (
@@ -127,6 +131,8 @@ def check(path: Path) -> Verdict:
             read_shard_metadata(path, state)
         except ShardedCheckpointError as error:
             return Verdict(path, False, str(error))
+        except UnsafeShardFileError as error:
+            return Verdict(path, False, f"{path}: {error}")
         kind = "sharded"
     else:
         damaged = damaged_zip_entries(path)
