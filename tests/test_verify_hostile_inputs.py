@@ -92,6 +92,26 @@ def test_the_other_files_are_still_listed(
                      "1 of 2 checkpoints cannot be resumed from"]
 
 
+def test_each_line_is_printed_before_the_next_file_is_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever stops the listing (a bug, Ctrl-C on a slow disk), the files checked so far
+    have been listed."""
+    for name in ("checkpoint_1_6.pt", "checkpoint_last.pt"):
+        torch.save(_fairseq_state(), tmp_path / name)
+
+    def check(path: Path) -> verify.Verdict:
+        if path.name == "checkpoint_last.pt":
+            raise KeyboardInterrupt
+        return verify.check(path)
+
+    monkeypatch.setattr(cli_verify, "check", check)
+    with pytest.raises(KeyboardInterrupt):
+        cli_verify.main([str(tmp_path)])
+    assert capsys.readouterr().out.splitlines() == [
+        f"{tmp_path / 'checkpoint_1_6.pt'}: ok (full, update 6, epoch 1)"]
+
+
 def test_a_rank_file_with_an_odd_cfg_is_described(tmp_path: Path) -> None:
     """One rank's file of stock fully_sharded state: its world size is read from ``cfg``."""
     path = tmp_path / "checkpoint_last-shard1.pt"

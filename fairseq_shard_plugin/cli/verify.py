@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
 from fairseq_shard_plugin.checkpoint.verify import PROG, check, checkpoint_files
@@ -26,21 +27,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"{PROG}: error: {error}")
     if not files:
         sys.exit(f"{PROG}: error: no *.pt checkpoints in {', '.join(args.sources)}")
-    verdicts = [check(path) for path in files]
-    if args.newest:
-        intact = [verdict for verdict in verdicts if verdict.resumable]
-        if not intact:
-            sys.exit(f"{PROG}: error: no intact checkpoint with optimizer state among "
-                     f"{len(verdicts)}")
-        # among equals (fairseq copies one save to several names) checkpoint_last wins
-        print(max(intact, key=lambda verdict: (
-            verdict.updates, verdict.path.name.startswith("checkpoint_last"))).path)
+    if not args.newest:
+        _list(files)
         return
-    for verdict in verdicts:
-        print(verdict.line)
-    damaged = sum(not verdict.intact for verdict in verdicts)
+    verdicts = [check(path) for path in files]
+    intact = [verdict for verdict in verdicts if verdict.resumable]
+    if not intact:
+        sys.exit(f"{PROG}: error: no intact checkpoint with optimizer state among "
+                 f"{len(verdicts)}")
+    # among equals (fairseq copies one save to several names) checkpoint_last wins
+    print(max(intact, key=lambda verdict: (
+        verdict.updates, verdict.path.name.startswith("checkpoint_last"))).path)
+
+
+def _list(files: list[Path]) -> None:
+    """One line per file, each printed as soon as it is checked; exit code 1 if any is
+    damaged."""
+    damaged = 0
+    for path in files:
+        verdict = check(path)
+        print(verdict.line, flush=True)
+        damaged += not verdict.intact
     if damaged:
-        print(f"{damaged} of {len(verdicts)} checkpoints cannot be resumed from")
+        print(f"{damaged} of {len(files)} checkpoints cannot be resumed from")
         sys.exit(1)
 
 
