@@ -4,12 +4,12 @@
 (a bad disk, an interrupted copy that kept the file's length) would load silently.
 
 * Full checkpoints are zip archives (``torch.save``'s format): every entry carries a
-  CRC-32, which :func:`damaged_zip_entries` recomputes. This covers stock fairseq's files
-  too.
+  CRC-32, which :func:`damaged_zip_entries` recomputes (an entry that cannot be read back
+  at all, encrypted say, is damaged too). This covers stock fairseq's files too.
 * DCP shard files (``.distcp``) and their ``.metadata`` carry none, so
   :func:`shard_checksums` records a CRC-32 of each in the sharded index at save time and
   :func:`mismatched_shard_files` compares (indexes written before 2026-12-05 have none for
-  ``.metadata``).
+  ``.metadata``); it opens no name that is not a regular file of the shard directory.
 
 Both split the files (or entries) among the ranks when called collectively, so each
 rank reads only its share; every rank receives the same verdict.
