@@ -114,6 +114,8 @@ def test_hybrid_loss_and_norm_match_four_rank_full_sharding(
     hybrid_run: tuple[RunResult, Path, Path], full_run: tuple[RunResult, Path]
 ) -> None:
     hybrid, full = hybrid_run[0], full_run[0]
+    assert ("sharded over 4 ranks as 2 groups of 2 (hybrid: each group holds one sharded "
+            "copy) with fsdp2") in hybrid.output  # it said "over 4 ranks", as full sharding
     for key in ("loss", "gnorm"):  # a double-counted replica would inflate gnorm by sqrt(2)
         hybrid_series, full_series = hybrid.series("train_inner", key), full.series(
             "train_inner", key)

@@ -14,7 +14,12 @@ import torch.nn as nn
 from fairseq import options, tasks
 
 from fairseq_shard_plugin.sharding.settings import ReshardPolicy
-from fairseq_shard_plugin.sharding.wrap_policy import LAYER_CLASSES, build_plan, is_linear_layer
+from fairseq_shard_plugin.sharding.wrap_policy import (
+    LAYER_CLASSES,
+    build_plan,
+    describe_plan,
+    is_linear_layer,
+)
 from fairseq_shard_plugin.tasks import register  # noqa: E402
 from launching.harness import run_command
 
@@ -178,6 +183,9 @@ def test_root_unit_only_reproduces_stock_plan(corpus: Path) -> None:
     assert not plan.root.reshard_after_forward
     # learned positions and final norms stay in the root
     assert not any("embed_positions" in name for name in unit_names(model))
+    # the log says why there are no layer units (it said none were found)
+    assert describe_plan(plan, root_unit_only=True).endswith(
+        "(--root-unit-only: the whole model is sharded as one unit)")
 
 
 @pytest.mark.e2e

@@ -99,7 +99,7 @@ def parallelize(model: nn.Module, settings: ShardingSettings) -> ShardedModel:
     refuse_adaptive_modules(model)
     plan = build_plan(model, settings.reshard, settings.root_unit_only,
                       settings.layers_per_unit)
-    description = describe_plan(plan)  # counted before sharding changes the parameters
+    description = describe_plan(plan, settings.root_unit_only)  # counted before sharding
     built_sharded = sum(isinstance(unit.modules[0], FSDPModule) for unit in plan.units)
     if built_sharded:
         description += f" ({built_sharded} layer units sharded as fairseq built them)"

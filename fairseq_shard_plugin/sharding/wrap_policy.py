@@ -231,9 +231,10 @@ def parameter_count(modules: Iterable[nn.Module]) -> int:
     return sum(unique.values())
 
 
-def describe_plan(plan: ShardingPlan) -> str:
+def describe_plan(plan: ShardingPlan, root_unit_only: bool = False) -> str:
     """The plan in one line: how many units of which kind, and the root's share of the
-    parameters (what stays gathered for the whole forward of the root's own modules)."""
+    parameters (what stays gathered for the whole forward of the root's own modules);
+    ``root_unit_only``: the plan was asked to hold no layer units."""
     in_units = parameter_count(m for unit in plan.units for m in unit.modules)
     total = parameter_count(plan.root.modules)
     vocabulary = [unit.name for unit in plan.units if unit.vocabulary]
@@ -245,7 +246,9 @@ def describe_plan(plan: ShardingPlan) -> str:
               for unit in plan.units if unit.kept_gathered_because]
     root_share = 1 - in_units / total if total else 0.0
     line = f"{'; '.join(parts)}; the root unit holds {root_share:.0%} of {total:,} parameters"
-    if not blocks:
+    if root_unit_only:
+        line += " (--root-unit-only: the whole model is sharded as one unit)"
+    elif not blocks:
         line += (" (no transformer layers, repeated blocks or recurrent networks found: "
                  "the rest of the model is sharded as one unit)")
     return line

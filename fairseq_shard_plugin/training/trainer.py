@@ -127,6 +127,11 @@ def _log_flags_taken_over(cfg: Any, settings: ShardingSettings) -> None:
     if options.layers_per_unit > 1 and options.root_unit_only:
         warn_once(f"--layers-per-unit {options.layers_per_unit} has no effect with "
                   "--root-unit-only (there are no layer units): remove one of them")
+    for flag in ("keep_vocabulary_gathered", "reduce_vocabulary_in_16_bit"):
+        if getattr(options, flag) and options.root_unit_only:
+            warn_once(f"--{flag.replace('_', '-')} has no effect with --root-unit-only (there "
+                      "is no vocabulary unit: the root holds the vocabulary): remove one of "
+                      "them")
     if not settings.reshard.layers:
         logger.info("--no-reshard-after-forward: every unit stays gathered from its forward "
                     "to its backward (no all-gathers in backward; the whole model's "
@@ -136,6 +141,14 @@ def _log_flags_taken_over(cfg: Any, settings: ShardingSettings) -> None:
                     "writes its own shards; a full save would gather the whole model and "
                     "optimizer state in rank 0's host memory); --checkpoint-format full "
                     "for single files, fairseq-shard-consolidate for one afterwards")
+
+
+def shard_groups(world_size: int, group_size: int) -> str:
+    """``N ranks``, or for hybrid sharding the groups that each hold one sharded copy."""
+    if group_size >= world_size:
+        return f"{world_size} ranks"
+    return (f"{world_size} ranks as {world_size // group_size} groups of {group_size} "
+            "(hybrid: each group holds one sharded copy)")
 
 
 class ShardedTrainer(Trainer):
@@ -164,8 +177,9 @@ class ShardedTrainer(Trainer):
                                                           sharded.plan.root)])
             if self.offload and self.settings.host_step_overlap
             and self.settings.engine == "fsdp2" else None)
-        logger.info("sharded over %d ranks with %s: %s; compute in %s, %s",
-                    dist.get_world_size(), self.settings.engine, sharded.description,
+        logger.info("sharded over %s with %s: %s; compute in %s, %s",
+                    shard_groups(dist.get_world_size(), self.shard_group_size),
+                    self.settings.engine, sharded.description,
                     self.compute_dtype or torch.float32,
                     "16-bit parameter shards" if self.settings.sixteen_bit_parameters
                     else "fp32 master shards")
