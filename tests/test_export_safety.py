@@ -191,3 +191,26 @@ def test_a_save_dir_of_a_checkpoint_suffix_run_names_its_last_checkpoint(
             "file$")):
         consolidate.resolve_checkpoint(save_dir)
     assert consolidate.resolve_checkpoint(save_dir / "checkpoint_last-a.pt").is_file()
+
+
+def test_a_checkpoint_of_fairseq_before_0_10_exports_with_its_args_as_the_config(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """Its config is an argparse Namespace under 'args' (no 'cfg'): verify and a resume took
+    it, the export refused it as "not a fairseq checkpoint"."""
+    from fairseq import options
+
+    from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
+
+    allow_fairseq_checkpoint_types()
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(corpus), "--arch", "transformer", "--optimizer", "adam"])
+    state = torch.load(_training_checkpoint(tmp_path / "new.pt", 4), weights_only=True)
+    del state["cfg"]
+    (tmp_path / "old").mkdir()
+    torch.save({**state, "args": args}, tmp_path / "old" / "checkpoint_last.pt")
+    out = consolidate.export_consolidated(tmp_path / "old", tmp_path / "model.pt")
+    exported = torch.load(out, weights_only=True)
+    assert exported["cfg"]["model"]["arch"] == "transformer"
+    assert torch.equal(exported["model"]["encoder.embed_tokens.weight"],
+                       state["model"]["encoder.embed_tokens.weight"])

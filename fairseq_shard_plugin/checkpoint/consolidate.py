@@ -129,8 +129,11 @@ def _load(path: Path, map_location: str) -> Any:
 
 
 def _require_fairseq_checkpoint(path: Path, state: Any) -> None:
-    if not isinstance(state, dict) or "model" not in state or "cfg" not in state:
-        raise ConsolidateError(f"{path}: not a fairseq checkpoint (no 'model' and 'cfg')")
+    """A dict with the model and its config: ``cfg``, or ``args`` before fairseq 0.10."""
+    if not isinstance(state, dict) or "model" not in state or (
+            "cfg" not in state and "args" not in state):
+        raise ConsolidateError(f"{path}: not a fairseq checkpoint (no 'model' and 'cfg', "
+                               "nor the 'args' of fairseq before 0.10)")
 
 
 def read_full_state(path: Path) -> dict[str, Any]:
