@@ -40,6 +40,7 @@ from fairseq_shard_plugin.checkpoint.trainer_files import (
     trainer_state_loader,
     verify_full_checkpoint,
 )
+from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.memory.meters import StepMemoryProbe, storage_bytes, watch_offloaded_state
 from fairseq_shard_plugin.memory.metrics import log_step_memory
 from fairseq_shard_plugin.memory.run_estimate import (
@@ -391,6 +392,8 @@ class ShardedTrainer(Trainer):
             raise CheckpointLoadError(str(error)) from error
         except CheckpointLoadError:
             raise
+        except ShardPluginError as error:  # the plugin's own one line (an unsafe shard file)
+            raise CheckpointLoadError(str(error)) from error
         except Exception as error:
             if index is not None:
                 raise CheckpointLoadError(
