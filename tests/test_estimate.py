@@ -603,6 +603,16 @@ def test_a_hybrid_training_command_is_estimated_for_its_shard_groups(corpus: Pat
         flags_from_training_command(["--world-size", "8"], command)
 
 
+
+def test_a_training_command_without_layers_names_the_zero(corpus: Path) -> None:
+    """It said "--arch transformer is not an encoder-decoder transformer"."""
+    command = [str(corpus), *TINY_TRAINING, "--task", "sharded_translation",
+               "--optimizer", "adam", "--max-tokens", "512", "--decoder-layers", "0"]
+    with pytest.raises(EstimateError, match=r"^--decoder-layers 0: the estimator models "
+                       "transformers with at least one encoder and one decoder layer$"):
+        flags_from_training_command(["--world-size", "2"], command)
+
+
 # 16-bit model state and host memory: arithmetic only (no fairseq model, no process).
 
 SMALL = transformer_shape(1000, 2, 2, 64, 128, 4)  # largest local shard far below 2**24

@@ -142,6 +142,12 @@ def run_description(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> 
     optimizer = getattr(cfg.optimizer, "_name", None)
     criterion = getattr(cfg.criterion, "_name", None)
     shape = shape_of(model)
+    empty = [stack for stack in ("encoder", "decoder")
+             if getattr(getattr(model, stack, None), "layers", None) is not None
+             and len(getattr(model, stack).layers) == 0]
+    if shape is None and empty and arch in ARCH_MODEL_REGISTRY:
+        raise EstimateError(f"--{empty[0]}-layers 0: the estimator models transformers with "
+                            "at least one encoder and one decoder layer")
     if shape is None or arch not in ARCH_MODEL_REGISTRY:
         raise EstimateError(f"--arch {arch} is not an encoder-decoder transformer the "
                             "estimator models")
