@@ -56,16 +56,26 @@ PLUGIN_KEYS = frozenset({f.name for f in dataclasses.fields(ShardingConfig)
 
 
 def plain(value: Any) -> Any:
-    """``value`` with Namespaces as dicts and numpy values as Python ones, recursively."""
-    if isinstance(value, argparse.Namespace):
-        value = vars(value)
-    if isinstance(value, dict):
-        return {key: plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(plain(item) for item in value)
-    if isinstance(value, (np.ndarray, np.generic)):
-        return value.tolist()
-    return value
+    """``value`` with Namespaces as dicts and numpy values as Python ones, recursively.
+
+    A container held in several places is converted once, and its conversion is shared
+    as the original was (lists sharing each other would otherwise cost a walk per path)."""
+    converted: dict[int, Any] = {}
+
+    def convert(item: Any) -> Any:
+        if isinstance(item, (np.ndarray, np.generic)):
+            return item.tolist()
+        if not isinstance(item, (argparse.Namespace, dict, list, tuple)):
+            return item
+        if id(item) not in converted:
+            entries = vars(item) if isinstance(item, argparse.Namespace) else item
+            if isinstance(entries, dict):
+                converted[id(item)] = {key: convert(entry) for key, entry in entries.items()}
+            else:
+                converted[id(item)] = type(entries)(convert(entry) for entry in entries)
+        return converted[id(item)]
+
+    return convert(value)
 
 
 def _stock_names(section: dict[str, Any] | None, names: dict[str, str],

@@ -13,12 +13,18 @@ since. Model weights are copied into the model by every fairseq loader, so mappi
 safe and saves a private copy per rank; what a trainer *keeps* (optimizer state, meters)
 must not stay mapped. :func:`private_copies_of_mapped` replaces each tensor that lies in a
 file this process mapped by a copy of its own; the trainers call it after every load.
+
+A checkpoint's containers are data from anyone: the pickle memo lets 60 lists of 1 KB
+share each other into 2**60 paths, or nest 300,000 deep. :func:`read_checkpoint` refuses
+structures no fairseq checkpoint has (:func:`check_structure`) before anything walks them
+(the plugin's walks, and fairseq's, follow every path).
 """
 
 from __future__ import annotations
 
+import argparse
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +42,19 @@ _ZIP_MAGIC = b"PK\x03\x04"
 _LEGACY_MAGIC = b"\x80\x02"
 
 
+# A fairseq checkpoint nests its containers fewer than 20 deep and holds thousands of
+# entries (a few hundred thousand for the largest models' optimizer state).
+MAX_NESTING = 100
+MAX_ENTRIES = 10_000_000
+
+
 class NotACheckpointError(ValueError):
     """A file in neither of torch's formats (its first bytes are wrong)."""
+
+
+class CheckpointStructureError(NotACheckpointError):
+    """A readable file whose containers no fairseq checkpoint has: nested too deep, too
+    many entries along every path (shared lists), or a container inside itself."""
 
 
 def checkpoint_format(path: str | Path) -> str:
@@ -54,20 +71,71 @@ def checkpoint_format(path: str | Path) -> str:
         "since torch 1.6) nor the legacy pickle format")
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
+def _parts(value: Any) -> Iterable[Any] | None:
+    """What a container holds (a dict's keys and values, a Namespace's attributes); None
+    for anything else."""
+    if isinstance(value, argparse.Namespace):
+        value = vars(value)
+    if isinstance(value, dict):
+        return (*value.keys(), *value.values())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return value
+    return None
 
-    def walk(item: Any) -> None:
+
+def _refused(what: str) -> CheckpointStructureError:
+    return CheckpointStructureError(
+        f"refused: it holds {what}, which no fairseq checkpoint does (a crafted or damaged "
+        "file?); re-save the checkpoint without it where it was written")
+
+
+def check_structure(state: Any) -> None:
+    """:class:`CheckpointStructureError` unless ``state``'s containers nest at most
+    :data:`MAX_NESTING` deep, hold at most :data:`MAX_ENTRIES` entries counted along
+    every path (a shared list once per reference) and none contains itself. Each
+    container is measured once, so a crafted file costs time linear in its size."""
+    measured: dict[int, tuple[int, int]] = {}  # id -> (entries along every path, height)
+    open_now: set[int] = set()
+
+    def measure(value: Any, depth: int) -> tuple[int, int]:
+        parts = _parts(value)
+        if parts is None:
+            return 1, 0
+        known = measured.get(id(value))
+        if known is None:
+            if id(value) in open_now:
+                raise _refused("a list or dict that contains itself")
+            if depth >= MAX_NESTING:
+                raise _refused(f"lists or dicts nested more than {MAX_NESTING} deep")
+            open_now.add(id(value))
+            entries, height = 1, 0
+            for part in parts:
+                size, below = measure(part, depth + 1)
+                entries, height = entries + size, max(height, below + 1)
+                if entries > MAX_ENTRIES:
+                    raise _refused(f"more than {MAX_ENTRIES:,} entries counted along every "
+                                   "path (lists shared by reference, say)")
+            open_now.discard(id(value))
+            known = measured[id(value)] = entries, height
+        if depth + known[1] > MAX_NESTING:
+            raise _refused(f"lists or dicts nested more than {MAX_NESTING} deep")
+        return known
+
+    measure(state, 0)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``'s containers, each container visited once."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    pending = [value]
+    while pending:
+        item = pending.pop()
         if isinstance(item, torch.Tensor):
             found.append(item)
-        elif isinstance(item, dict):
-            for entry in item.values():
-                walk(entry)
-        elif isinstance(item, (list, tuple)):
-            for entry in item:
-                walk(entry)
-
-    walk(value)
+        elif isinstance(item, (dict, list, tuple)) and id(item) not in seen:
+            seen.add(id(item))
+            pending.extend(item.values() if isinstance(item, dict) else item)
     return found
 
 
@@ -83,10 +151,16 @@ def _remember_mapping(state: Any) -> None:
 def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> Any:
     """``torch.load(path, weights_only=True)``: mapped for a zip file, read for a legacy one.
 
-    Raises :class:`NotACheckpointError` for a file of neither format, and torch's own error
-    (a refused type, a damaged archive) otherwise."""
+    Raises :class:`NotACheckpointError` for a file of neither format,
+    :class:`CheckpointStructureError` for containers no checkpoint has, and torch's own
+    error (a refused type, a damaged archive) otherwise."""
     mapped = checkpoint_format(path) == "zip"
-    state = torch.load(path, map_location=map_location, weights_only=True, mmap=mapped)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mapped)
+    except RecursionError as error:
+        raise _refused(f"containers nested too deep to read ({MAX_NESTING} at most)") \
+            from error
+    check_structure(state)
     if mapped:
         _remember_mapping(state)
     return state
@@ -105,6 +179,7 @@ def private_copies_of_mapped(container: Any) -> int:
     """Replace, in place, every mapped tensor held in ``container`` (nested dicts and
     lists, e.g. an optimizer's ``state``) by a copy of its own; returns how many."""
     replaced = 0
+    seen: set[int] = set()  # containers already fixed (one shared by several holds)
 
     def fix(value: Any, store: Callable[[Any], None]) -> None:
         nonlocal replaced
@@ -112,10 +187,14 @@ def private_copies_of_mapped(container: Any) -> int:
             if is_mapped(value):
                 store(value.clone())
                 replaced += 1
+        elif id(value) in seen:
+            return
         elif isinstance(value, dict):
+            seen.add(id(value))
             for key, entry in list(value.items()):
                 fix(entry, lambda new, key=key: value.__setitem__(key, new))
         elif isinstance(value, list):
+            seen.add(id(value))
             for index, entry in enumerate(value):
                 fix(entry, lambda new, index=index: value.__setitem__(index, new))
 

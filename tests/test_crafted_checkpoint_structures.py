@@ -1,0 +1,167 @@
+"""Checkpoints whose structure is crafted (weights_only=True admits it) get one line, at once.
+
+Every file here loads under ``torch.load(weights_only=True)``: it holds only lists, dicts,
+ints and allow-listed numpy types, but shaped as no fairseq checkpoint is: lists that share
+each other (60 of them make 2**60 paths), lists nested 300,000 deep, an object array made by
+calling the allow-listed ``numpy.dtype``, a shard reference that is not a path, a DCP
+``.metadata`` whose planner data shares lists or that is a FIFO, a shard chunk holding a
+pickled ``os.system``. Each must be refused by verify, consolidate and the loaders in one
+line naming the cause, never hang, never print a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import signal
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fairseq_shard_plugin.checkpoint import consolidate, verify
+from fairseq_shard_plugin.checkpoint.portable import plain
+from fairseq_shard_plugin.checkpoint.reading import (
+    CheckpointStructureError,
+    check_structure,
+    read_checkpoint,
+)
+from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
+from fairseq_shard_plugin.cli import consolidate as cli_consolidate
+
+PLACEHOLDER = "CRAFTED_PART_PLACEHOLDER"
+SECONDS = 20  # each test's limit: a walk along every path of a crafted file never ends
+
+
+@pytest.fixture(autouse=True)
+def _time_limit() -> Iterator[None]:
+    """Fail a test that runs past :data:`SECONDS` (the defects here were hangs)."""
+    def expire(signum: int, frame: FrameType | None) -> None:
+        raise TimeoutError(f"still running after {SECONDS} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(SECONDS)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _shared_lists(levels: int) -> list[Any]:
+    """``levels`` lists, each holding the one below twice: 2**levels paths, levels objects."""
+    shared: list[Any] = [1]
+    for _ in range(levels):
+        shared = [shared, shared]
+    return shared
+
+
+def _training_state(extra: Any = PLACEHOLDER) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(0)
+    return {"model": {"encoder.embed_tokens.weight": torch.randn(8, 4, generator=generator)},
+            "cfg": {"model": {"_name": "transformer"}},
+            "optimizer_history": [{"num_updates": 4}],
+            "extra_state": {"train_iterator": {"epoch": 1}, "crafted": extra},
+            "last_optimizer_state": {"state": {0: {"exp_avg": torch.zeros(8, 4)}}}}
+
+
+def _pickled_string(text: str) -> bytes:
+    data = text.encode()
+    return b"X" + len(data).to_bytes(4, "little") + data  # BINUNICODE
+
+
+def _save_with_opcodes(path: Path, opcodes: bytes, legacy: bool = False) -> Path:
+    """A training checkpoint whose ``extra_state['crafted']`` is made by raw pickle
+    ``opcodes`` (in place of the placeholder string's), in either torch format."""
+    buffer = io.BytesIO()
+    torch.save(_training_state(), buffer, _use_new_zipfile_serialization=not legacy)
+    placeholder = _pickled_string(PLACEHOLDER)
+    if legacy:
+        assert buffer.getvalue().count(placeholder) == 1
+        path.write_bytes(buffer.getvalue().replace(placeholder, opcodes))
+        return path
+    with zipfile.ZipFile(buffer) as source, zipfile.ZipFile(path, "w") as crafted:
+        for entry in source.infolist():
+            data = source.read(entry.filename)
+            if entry.filename.endswith("/data.pkl"):
+                assert data.count(placeholder) == 1
+                data = data.replace(placeholder, opcodes)
+            crafted.writestr(entry, data)
+    return path
+
+
+def _refused_everywhere(path: Path, words: str, tmp_path: Path) -> None:
+    """verify, consolidate (its function and its command) and the loader all refuse
+    ``path`` in one line that holds ``words``."""
+    allow_fairseq_checkpoint_types()
+    verdict = verify.check(path)
+    assert not verdict.intact and words in verdict.line and "\n" not in verdict.line, verdict.line
+    assert verdict.line.startswith(f"{path}: ")
+    with pytest.raises(consolidate.ConsolidateError) as refused:
+        consolidate.export_consolidated(path, tmp_path / "model.pt")
+    assert words in str(refused.value) and "\n" not in str(refused.value), refused.value
+    with pytest.raises(SystemExit) as stopped:
+        cli_consolidate.main([str(path), str(tmp_path / "model.pt")])
+    assert words in str(stopped.value.code) and "\n" not in str(stopped.value.code)
+    assert not (tmp_path / "model.pt").exists()
+
+
+# ---------------------------------------------------------------- shared and deep lists
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_lists_sharing_each_other_are_refused_at_once(tmp_path: Path, legacy: bool) -> None:
+    path = tmp_path / "checkpoint_last.pt"
+    torch.save(_training_state(_shared_lists(60)), path, _use_new_zipfile_serialization=not legacy)
+    assert path.stat().st_size < 10_000
+    with pytest.raises(CheckpointStructureError, match="more than 10,000,000 entries"):
+        read_checkpoint(path)
+    _refused_everywhere(path, "more than 10,000,000 entries counted along every path", tmp_path)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_lists_nested_300000_deep_are_refused_as_too_deep(tmp_path: Path, legacy: bool) -> None:
+    """Not as a truncated file (zip), nor passed by verify and then a RecursionError
+    traceback from consolidate (legacy)."""
+    depth = 300_000
+    path = _save_with_opcodes(tmp_path / "checkpoint_last.pt",
+                              b"]" * depth + b"a" * (depth - 1), legacy)
+    _refused_everywhere(path, "lists or dicts nested more than 100 deep", tmp_path)
+    assert "truncated" not in verify.check(path).line
+
+
+def test_a_list_that_contains_itself_is_refused() -> None:
+    looped: list[Any] = [1]
+    looped.append(looped)
+    with pytest.raises(CheckpointStructureError, match="a list or dict that contains itself"):
+        check_structure({"extra_state": looped})
+
+
+def test_a_shared_list_just_past_the_depth_limit_is_refused() -> None:
+    """The 50 lists below are measured once, at depth 1; met again under 55 more lists they
+    nest 106 deep (under 40, 91)."""
+    def wrapped(value: Any, times: int) -> Any:
+        for _ in range(times):
+            value = [value]
+        return value
+
+    below = wrapped(0, 50)
+    check_structure([below, wrapped(below, 40)])
+    with pytest.raises(CheckpointStructureError, match="nested more than 100 deep"):
+        check_structure([below, wrapped(below, 55)])
+
+
+def test_genuine_structures_pass_and_keep_their_sharing() -> None:
+    tied = torch.zeros(3)
+    settings = {"lr": [0.1], "betas": (0.9, 0.98)}
+    state = {"model": {"a": tied, "b": tied}, "groups": [settings, settings],
+             "args": argparse.Namespace(langs=["en", "de"], metric=np.float64(2))}
+    check_structure(state)
+    converted = plain(state)
+    assert converted["groups"][0] is converted["groups"][1]
+    assert converted["args"] == {"langs": ["en", "de"], "metric": 2.0}
