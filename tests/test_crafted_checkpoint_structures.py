@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import shutil
 import signal
 import zipfile
 from collections.abc import Iterator
@@ -23,15 +24,26 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from fairseq_shard_plugin.checkpoint import consolidate, verify
 from fairseq_shard_plugin.checkpoint.portable import plain
 from fairseq_shard_plugin.checkpoint.reading import (
     CheckpointStructureError,
     check_structure,
+    private_copies_of_mapped,
     read_checkpoint,
 )
 from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
+from fairseq_shard_plugin.checkpoint.sharded import (
+    SHARDED_KEY,
+    ShardedCheckpointError,
+    fill_tensors,
+    read_shard_metadata,
+    save_sharded,
+    split_tensors,
+    tensor_paths,
+)
 from fairseq_shard_plugin.cli import consolidate as cli_consolidate
 
 PLACEHOLDER = "CRAFTED_PART_PLACEHOLDER"
@@ -165,3 +177,56 @@ def test_genuine_structures_pass_and_keep_their_sharing() -> None:
     converted = plain(state)
     assert converted["groups"][0] is converted["groups"][1]
     assert converted["args"] == {"langs": ["en", "de"], "metric": 2.0}
+
+
+def test_the_plugins_walks_visit_a_shared_list_once() -> None:
+    """split/fill/tensor_paths, plain and private_copies_of_mapped on 2**60 paths."""
+    tensor = torch.arange(4)
+    shared = _shared_lists(60)
+    state = {"model": {"w": tensor}, "extra": shared, "again": shared}
+    skeleton, tensors = split_tensors(state)
+    assert list(tensors) == ["model/w"]
+    assert tensor_paths(skeleton) == ["model/w"]
+    filled = fill_tensors(skeleton, tensors)
+    assert filled["model"]["w"] is tensor and filled["extra"] is filled["again"]
+    converted = plain(state)
+    assert converted["extra"] is converted["again"] and converted["extra"][0] is \
+        converted["extra"][1]
+    assert private_copies_of_mapped(state) == 0
+
+
+# ---------------------------------------------------------------- sharded checkpoints
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A save dir with one genuine sharded checkpoint, saved in a one-rank gloo group."""
+    root = tmp_path_factory.mktemp("crafted_sharded")
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 1),
+                                rank=0, world_size=1)
+    state = _training_state({"epoch": 1})
+    state["model"]["encoder.version"] = torch.tensor([3.0])
+    save_dir = root / "save"
+    torch.save(save_sharded(state, save_dir, num_updates=4), save_dir / "checkpoint_last.pt")
+    yield save_dir
+    if started:
+        dist.destroy_process_group()
+
+
+def _copy(sharded: Path, destination: Path) -> tuple[Path, dict[str, Any], Path]:
+    shutil.copytree(sharded, destination)
+    index_file = destination / "checkpoint_last.pt"
+    index = torch.load(index_file, weights_only=True)
+    return index_file, index, destination / index[SHARDED_KEY]["dir"]
+
+
+def test_a_shard_reference_that_is_not_a_path_is_refused(sharded: Path, tmp_path: Path) -> None:
+    index_file, index, _ = _copy(sharded, tmp_path / "save")
+    index["model"]["encoder.embed_tokens.weight"] = {"__shard__": [1]}
+    torch.save(index, index_file)
+    words = "refers to a tensor by a list, not by its path"
+    with pytest.raises(ShardedCheckpointError, match=words):
+        read_shard_metadata(index_file, index)
+    _refused_everywhere(index_file, words, tmp_path)

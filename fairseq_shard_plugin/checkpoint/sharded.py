@@ -82,6 +82,7 @@ def split_tensors(state: Any, path: str = "") -> tuple[Any, dict[str, torch.Tens
     where it was first found, so it is written once."""
     tensors: dict[str, torch.Tensor] = {}
     first_path: dict[int, str] = {}
+    skeletons: dict[int, Any] = {}  # a container held in several places is split once
 
     def walk(value: Any, where: str) -> Any:
         if isinstance(value, torch.Tensor):
@@ -90,42 +91,70 @@ def split_tensors(state: Any, path: str = "") -> tuple[Any, dict[str, torch.Tens
             first_path[id(value)] = where
             tensors[where] = value
             return {_REF: where}
-        if isinstance(value, dict):
-            return type(value)((k, walk(v, f"{where}/{k}" if where else str(k)))
-                               for k, v in value.items())
-        if isinstance(value, (list, tuple)):
-            return type(value)(walk(v, f"{where}/{i}") for i, v in enumerate(value))
-        return value
+        if not isinstance(value, (dict, list, tuple)):
+            return value
+        if id(value) not in skeletons:
+            if isinstance(value, dict):
+                skeletons[id(value)] = type(value)(
+                    (k, walk(v, f"{where}/{k}" if where else str(k))) for k, v in value.items())
+            else:
+                skeletons[id(value)] = type(value)(walk(v, f"{where}/{i}")
+                                                   for i, v in enumerate(value))
+        return skeletons[id(value)]
 
     return walk(state, path), tensors
 
 
+def _reference(value: dict, where: str | Path) -> str | None:
+    """The tensor path ``value`` refers to (``{"__shard__": path}``), else None; a
+    reference by anything but a path is refused."""
+    if set(value) != {_REF}:
+        return None
+    path = value[_REF]
+    if not isinstance(path, str):
+        raise ShardedCheckpointError(
+            f"{where}: refers to a tensor by a {type(path).__name__}, not by its path (a "
+            "damaged or crafted index?); refused: use an intact checkpoint")
+    return path
+
+
 def fill_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`split_tensors`."""
-    if isinstance(skeleton, dict):
-        if set(skeleton) == {_REF}:
-            return tensors[skeleton[_REF]]
-        return type(skeleton)((k, fill_tensors(v, tensors)) for k, v in skeleton.items())
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(fill_tensors(v, tensors) for v in skeleton)
-    return skeleton
+    """Inverse of :func:`split_tensors` (a container held in several places filled once)."""
+    filled: dict[int, Any] = {}
+
+    def walk(value: Any) -> Any:
+        if not isinstance(value, (dict, list, tuple)):
+            return value
+        if id(value) not in filled:
+            if isinstance(value, dict):
+                path = _reference(value, "the index")
+                filled[id(value)] = tensors[path] if path is not None else type(value)(
+                    (k, walk(v)) for k, v in value.items())
+            else:
+                filled[id(value)] = type(value)(walk(v) for v in value)
+        return filled[id(value)]
+
+    return walk(skeleton)
 
 
-def tensor_paths(skeleton: Any) -> list[str]:
-    """The paths a skeleton refers to, each once (a tied weight's names share one), in
-    order of first reference."""
+def tensor_paths(skeleton: Any, where: str | Path = "the index") -> list[str]:
+    """The paths a skeleton (of the index file ``where``) refers to, each once (a tied
+    weight's names share one), in order of first reference; each container is visited
+    once."""
     found: dict[str, None] = {}
+    seen: set[int] = set()
 
     def walk(value: Any) -> None:
+        if not isinstance(value, (dict, list, tuple)) or id(value) in seen:
+            return
+        seen.add(id(value))
         if isinstance(value, dict):
-            if set(value) == {_REF}:
-                found[value[_REF]] = None
+            path = _reference(value, where)
+            if path is not None:
+                found[path] = None
                 return
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                walk(v)
+        for v in value.values() if isinstance(value, dict) else value:
+            walk(v)
 
     walk(skeleton)
     return list(found)
@@ -312,6 +341,7 @@ def read_shard_metadata(
     which must all call it.
     """
     directory = shard_directory(index_file, index)
+    paths = tensor_paths(index, index_file)
     checksums = index[SHARDED_KEY].get("crc32") or {}
     strays = [name for name in checksums
               if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..")]
@@ -344,7 +374,7 @@ def read_shard_metadata(
         raise ShardedCheckpointError(corruption_message(
             index_file, [str(directory / name) for name in corrupted]))
     entries = metadata.state_dict_metadata
-    missing = [p for p in tensor_paths(index) if p not in entries]
+    missing = [p for p in paths if p not in entries]
     if missing:
         raise ShardedCheckpointError(
             f"{index_file}: shard directory {directory} lacks {len(missing)} tensors "
