@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
+import pickle
 import shutil
 import signal
 import zipfile
@@ -35,6 +37,11 @@ from fairseq_shard_plugin.checkpoint.reading import (
     read_checkpoint,
 )
 from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
+from fairseq_shard_plugin.checkpoint.shard_metadata import (
+    SafeFileSystemReader,
+    UnsafeMetadataError,
+    load_metadata,
+)
 from fairseq_shard_plugin.checkpoint.sharded import (
     SHARDED_KEY,
     ShardedCheckpointError,
@@ -222,6 +229,12 @@ def _copy(sharded: Path, destination: Path) -> tuple[Path, dict[str, Any], Path]
     return index_file, index, destination / index[SHARDED_KEY]["dir"]
 
 
+def _without_checksums(index_file: Path, index: dict[str, Any]) -> None:
+    """As indexes written before checksums existed (still accepted)."""
+    index[SHARDED_KEY].pop("crc32")
+    torch.save(index, index_file)
+
+
 def test_a_shard_reference_that_is_not_a_path_is_refused(sharded: Path, tmp_path: Path) -> None:
     index_file, index, _ = _copy(sharded, tmp_path / "save")
     index["model"]["encoder.embed_tokens.weight"] = {"__shard__": [1]}
@@ -230,3 +243,56 @@ def test_a_shard_reference_that_is_not_a_path_is_refused(sharded: Path, tmp_path
     with pytest.raises(ShardedCheckpointError, match=words):
         read_shard_metadata(index_file, index)
     _refused_everywhere(index_file, words, tmp_path)
+
+
+def test_planner_data_sharing_lists_is_refused_at_once(sharded: Path, tmp_path: Path) -> None:
+    index_file, index, directory = _copy(sharded, tmp_path / "save")
+    _without_checksums(index_file, index)
+    metadata = SafeFileSystemReader(directory).read_metadata()
+    metadata.planner_data = _shared_lists(31)
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnsafeMetadataError, match="holds planner data or a version of "
+                       "unexpected types"):
+        SafeFileSystemReader(directory).read_metadata()
+    verdict = verify.check(index_file)
+    assert not verdict.intact and "planner data" in verdict.line and "\n" not in verdict.line
+
+
+def test_genuine_planner_data_with_a_shared_list_still_loads(
+    sharded: Path, tmp_path: Path
+) -> None:
+    _, _, directory = _copy(sharded, tmp_path / "save")
+    metadata = SafeFileSystemReader(directory).read_metadata()
+    shared = ["model", "w"]
+    metadata.planner_data = {"model/w": shared, "again": shared}
+    with open(directory / ".metadata", "wb") as stream:
+        pickle.dump(metadata, stream)
+    with open(directory / ".metadata", "rb") as stream:
+        assert load_metadata(stream, "genuine").planner_data == {"model/w": shared,
+                                                                 "again": shared}
+
+
+def test_a_fifo_in_place_of_the_metadata_is_refused_without_blocking(
+    sharded: Path, tmp_path: Path
+) -> None:
+    index_file, index, directory = _copy(sharded, tmp_path / "save")
+    _without_checksums(index_file, index)
+    (directory / ".metadata").unlink()
+    os.mkfifo(directory / ".metadata")
+    with pytest.raises(ShardedCheckpointError) as refused:
+        read_shard_metadata(index_file, index)
+    assert "is a FIFO, not the regular file DCP writes" in str(refused.value)
+    verdict = verify.check(index_file)
+    assert not verdict.intact and "is a FIFO" in verdict.line and "\n" not in verdict.line
+
+
+def test_a_metadata_symlink_out_of_its_directory_is_refused(
+    sharded: Path, tmp_path: Path
+) -> None:
+    index_file, index, directory = _copy(sharded, tmp_path / "save")
+    _without_checksums(index_file, index)
+    outside = tmp_path / "outside.metadata"
+    shutil.move(directory / ".metadata", outside)
+    (directory / ".metadata").symlink_to(outside)
+    with pytest.raises(ShardedCheckpointError, match="outside its shard directory"):
+        read_shard_metadata(index_file, index)

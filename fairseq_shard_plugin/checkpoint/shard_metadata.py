@@ -12,17 +12,20 @@ objects can be checked too: BUILD only fills in fresh instances of DCP's metadat
 :func:`load_metadata` then checks every part by its exact type and refuses what DCP would
 misuse later: shard file names that leave the directory, chunks whose claimed size exceeds
 their stored bytes, and non-tensor entries, which DCP unpickles without restriction on load
-(the plugin writes only tensors). :class:`SafeFileSystemReader` reads metadata so, checks
-that each shard file resolves inside its directory, and is the ``storage_reader`` of every
-``dcp.load`` of the plugin.
+(the plugin writes only tensors). :class:`SafeFileSystemReader` reads metadata so (from a
+regular file of its directory only: a FIFO would block), checks that each shard file
+resolves inside its directory, and is the ``storage_reader`` of every ``dcp.load`` of the
+plugin.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import pathlib
 import pickle
+import stat
 from pathlib import Path
 from typing import IO, Any
 
@@ -171,18 +174,42 @@ def _is_size(value: Any) -> bool:
     return type(value) is torch.Size and all(type(n) is int and n >= 0 for n in value)
 
 
-def _plain_data(value: Any, depth: int = 0) -> bool:
-    """Nested dicts, lists and tuples of strings, ints, bools and None (the planner's data)."""
-    if value is None or type(value) in (str, int, bool):
-        return True
-    if depth > 32:
+# the planner's data: DCP writes a few entries per tensor, nested a few deep
+_PLAIN_DEPTH = 32
+_PLAIN_ENTRIES = 10_000_000
+
+
+class _NotPlain(Exception):
+    """Raised inside :func:`_plain_data` to stop at the first part that is not plain."""
+
+
+def _plain_data(value: Any) -> bool:
+    """Nested dicts, lists and tuples of strings, ints, bools and None (the planner's data),
+    none below depth ``_PLAIN_DEPTH``, at most ``_PLAIN_ENTRIES`` entries counted along
+    every path; each container is checked once (shared lists cost no walk per path)."""
+    measured: dict[int, tuple[int, int]] = {}  # id -> (entries along every path, height)
+
+    def measure(item: Any, depth: int) -> tuple[int, int]:
+        if item is None or type(item) in (str, int, bool):
+            return 1, 0
+        known = measured.get(id(item))
+        if known is None:
+            if depth > _PLAIN_DEPTH or type(item) not in (dict, list, tuple):
+                raise _NotPlain  # a container inside itself ends here too
+            parts = (*item.keys(), *item.values()) if type(item) is dict else item
+            sizes = [measure(part, depth + 1) for part in parts]
+            known = (1 + sum(size for size, _ in sizes),
+                     1 + max((height for _, height in sizes), default=-1))
+            measured[id(item)] = known
+        if known[0] > _PLAIN_ENTRIES or depth + known[1] > _PLAIN_DEPTH + 1:
+            raise _NotPlain
+        return known
+
+    try:
+        measure(value, 0)
+    except _NotPlain:
         return False
-    if type(value) is dict:
-        return all(_plain_data(k, depth + 1) and _plain_data(v, depth + 1)
-                   for k, v in value.items())
-    if type(value) in (list, tuple):
-        return all(_plain_data(v, depth + 1) for v in value)
-    return False
+    return True
 
 
 def _check_storage_info(where: str | Path, key: Any, info: Any) -> None:
@@ -287,6 +314,33 @@ def shard_files_outside(directory: Path, metadata: Metadata) -> list[str]:
     return sorted(name for name in names if (directory / name).resolve().parent != inside)
 
 
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "an unknown kind of file")
+
+
+def open_metadata_file(directory: Path, path: Path) -> IO[bytes]:
+    """``path`` (a metadata file of ``directory``) opened for reading, or
+    :class:`UnsafeMetadataError` for one that resolves outside ``directory`` or is no
+    regular file (a FIFO would block the read forever: it is opened without blocking and
+    checked before anything is read)."""
+    if path.resolve().parent != directory.resolve():
+        raise UnsafeMetadataError(
+            f"{path}: resolves to {path.resolve()}, outside its shard directory (a symlink?); "
+            "refused to read it: resume from an intact checkpoint")
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        raise UnsafeMetadataError(
+            f"{path}: is {_file_kind(mode)}, not the regular file DCP writes; refused to "
+            "read it: resume from an intact checkpoint")
+    os.set_blocking(descriptor, True)
+    return os.fdopen(descriptor, "rb")
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file system reader, reading ``.metadata`` with :func:`load_metadata`; the
     last refusal is kept in ``refusal`` (``dcp.load`` reports it only as text)."""
@@ -297,8 +351,13 @@ class SafeFileSystemReader(FileSystemReader):
         # DCP asks for a rank's own __<rank>.metadata when there is no global one
         rank = kwargs.get("rank")
         name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-        path = self.fs.concat_path(self.path, name)
-        with self.fs.create_stream(path, "rb") as stream:
+        path = Path(self.path, name)
+        try:
+            opened = open_metadata_file(Path(self.path), path)
+        except UnsafeMetadataError as error:
+            self.refusal = error
+            raise
+        with opened as stream:
             try:
                 metadata = load_metadata(stream, path)
                 outside = shard_files_outside(Path(self.path), metadata)
