@@ -46,6 +46,8 @@ from fairseq_shard_plugin.checkpoint.sharded import (
     SHARDED_KEY,
     ShardedCheckpointError,
     fill_tensors,
+    full_tensors,
+    load_tensors,
     read_shard_metadata,
     save_sharded,
     split_tensors,
@@ -296,3 +298,45 @@ def test_a_metadata_symlink_out_of_its_directory_is_refused(
     (directory / ".metadata").symlink_to(outside)
     with pytest.raises(ShardedCheckpointError, match="outside its shard directory"):
         read_shard_metadata(index_file, index)
+
+
+def _chunk_holding(directory: Path, fqn: str, payload: bytes) -> Path:
+    """Append ``payload`` to the shard file of ``fqn``'s chunk and point the chunk at it."""
+    metadata = SafeFileSystemReader(directory).read_metadata()
+    info = next(info for key, info in metadata.storage_data.items() if key.fqn == fqn)
+    shard_file = directory / info.relative_path
+    info.offset, info.length = shard_file.stat().st_size, len(payload)
+    with open(shard_file, "ab") as stream:
+        stream.write(payload)
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    return shard_file
+
+
+class _RunsCommand:
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.system, ("true",)
+
+
+def test_a_chunk_holding_a_refused_pickle_is_named_in_one_line(
+    sharded: Path, tmp_path: Path
+) -> None:
+    """Not torch's advice to load it with weights_only=False, nor a line of torch's source."""
+    index_file, index, directory = _copy(sharded, tmp_path / "save")
+    _without_checksums(index_file, index)
+    payload = io.BytesIO()
+    torch.save(_RunsCommand(), payload)
+    shard_file = _chunk_holding(directory, "model/encoder.version", payload.getvalue())
+    entries = read_shard_metadata(index_file, index)
+    for load in (lambda: full_tensors(index_file, index),  # fairseq-generate's gather
+                 lambda: load_tensors(index_file, index,  # resume's collective load
+                                      {path: torch.empty(tuple(entries[path].size),
+                                                         dtype=entries[path].properties.dtype)
+                                       for path in tensor_paths(index)})):
+        with pytest.raises(ShardedCheckpointError) as refused:
+            load()
+        message = str(refused.value)
+        assert "\n" not in message and message.startswith(f"{index_file}: {shard_file}: "), \
+            message
+        assert f"holds a pickled {os.system.__module__}.system, which the plugin does not " \
+            "load" in message, message
+        assert "weights_only` set to `False" not in message and "raise " not in message

@@ -14,8 +14,8 @@ misuse later: shard file names that leave the directory, chunks whose claimed si
 their stored bytes, and non-tensor entries, which DCP unpickles without restriction on load
 (the plugin writes only tensors). :class:`SafeFileSystemReader` reads metadata so (from a
 regular file of its directory only: a FIFO would block), checks that each shard file
-resolves inside its directory, and is the ``storage_reader`` of every ``dcp.load`` of the
-plugin.
+resolves inside its directory, names the shard file and the refused type of a chunk that
+fails to load, and is the ``storage_reader`` of every ``dcp.load`` of the plugin.
 """
 
 from __future__ import annotations
@@ -341,11 +341,36 @@ def open_metadata_file(directory: Path, path: Path) -> IO[bytes]:
     return os.fdopen(descriptor, "rb")
 
 
+def describe_chunk_failure(file: str | Path, offset: int, error: BaseException) -> str:
+    """One line for a shard file's chunk (at byte ``offset``) that ``torch.load`` could not
+    read: the pickled type it refused, by name (never torch's advice to load it with
+    ``weights_only=False``), or the error's first line."""
+    # errors imports integrity, which imports this module
+    from fairseq_shard_plugin.checkpoint.errors import describe_unreadable
+
+    if isinstance(error, pickle.UnpicklingError):
+        line = describe_unreadable(file, error)
+        if ": holds a pickled " in line:  # a type outside the allow-list, named
+            return line.replace(": holds", f": its chunk at byte {offset} holds", 1)
+        return (f"{file}: its chunk at byte {offset} is not a tensor torch.load reads with "
+                "weights_only=True (a damaged or crafted shard file?)")
+    lines = str(error).strip().splitlines()
+    return (f"{file}: its chunk at byte {offset} could not be read "
+            f"({type(error).__name__}: {lines[0][:200] if lines else ''})")
+
+
+class ShardChunkError(ShardPluginError, RuntimeError):
+    """A shard file's chunk that did not load; one line naming the file and the cause (it
+    reaches the other ranks inside DCP's ``CheckpointException.failures``)."""
+
+
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file system reader, reading ``.metadata`` with :func:`load_metadata`; the
-    last refusal is kept in ``refusal`` (``dcp.load`` reports it only as text)."""
+    last refusal is kept in ``refusal`` (``dcp.load`` reports it only as text). A chunk
+    that fails to load raises :class:`ShardChunkError`, naming its file."""
 
     refusal: UnsafeMetadataError | None = None
+    _chunk: tuple[Path, int] | None = None  # the chunk read last: its file, its offset
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # DCP asks for a rank's own __<rank>.metadata when there is no global one
@@ -374,3 +399,17 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        self._chunk = (Path(self.path, sinfo.relative_path), sinfo.offset)
+        return super()._slice_file(file, sinfo)
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            return super().read_data(plan, planner)
+        except ShardPluginError:
+            raise
+        except Exception as error:
+            if self._chunk is None:
+                raise
+            raise ShardChunkError(describe_chunk_failure(*self._chunk, error)) from error

@@ -423,13 +423,26 @@ def load_tensors(
     except (Exception, CheckpointException) as error:  # the latter is a BaseException
         if reader.refusal is not None:  # DCP reports it only as a string among others
             raise ShardedCheckpointError(f"{index_file}: {reader.refusal}") from error
-        first = str(error).strip().splitlines()
-        detail = next((line for line in first if "Error" in line or "error" in line),
-                      first[0] if first else "")
+        cause = _first_failure(error)
+        if isinstance(cause, ShardPluginError):  # one line already (a chunk's, say)
+            raise ShardedCheckpointError(f"{index_file}: {cause}") from error
+        lines = str(cause).strip().splitlines()
         raise ShardedCheckpointError(
             f"{index_file}: could not read the shards in {directory} (a truncated or "
-            f"missing shard file?): {type(error).__name__}: {detail.strip()[:300]}"
+            f"missing shard file?): {type(cause).__name__}: "
+            f"{lines[0].strip()[:300] if lines else ''}"
         ) from error
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """The exception behind a failed ``dcp.load``: that of the lowest rank that failed
+    (DCP gathers each rank's into a ``CheckpointException``), else ``error`` itself."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        failed = failures[min(failures)]
+        if isinstance(failed, tuple) and failed and isinstance(failed[0], BaseException):
+            return failed[0]
+    return error
 
 
 def empty_like_saved(meta: Any, like: torch.Tensor | None = None) -> torch.Tensor:
