@@ -204,6 +204,61 @@ def test_the_plugins_walks_visit_a_shared_list_once() -> None:
     assert private_copies_of_mapped(state) == 0
 
 
+# ---------------------------------------------------------------- numpy object arrays
+
+
+def _global(module: str, name: str) -> bytes:
+    return f"c{module}\n{name}\n".encode()
+
+
+def _object_array_opcodes() -> bytes:
+    """An object array ['hello', 5], its dtype made by calling numpy.dtype('O')."""
+    return (_global("numpy._core.multiarray", "_reconstruct") + _global("numpy", "ndarray")
+            + b"K\x00\x85" + _pickled_string("b") + b"\x87R"
+            + b"(K\x01K\x02\x85" + _global("numpy", "dtype") + _pickled_string("O") + b"\x85R"
+            + b"\x89](" + _pickled_string("hello") + b"K\x05etb")
+
+
+def _reconstructed_object_array_opcodes() -> bytes:
+    """An object array of two Nones, made by _reconstruct with the dtype code 'O' alone."""
+    return (_global("numpy._core.multiarray", "_reconstruct") + _global("numpy", "ndarray")
+            + b"K\x02\x85" + _pickled_string("O") + b"\x87R")
+
+
+@pytest.mark.parametrize("opcodes", [_object_array_opcodes(),
+                                     _reconstructed_object_array_opcodes()],
+                         ids=["dtype_O", "reconstruct_O"])
+def test_an_object_array_is_refused_by_its_dtype(tmp_path: Path, opcodes: bytes) -> None:
+    path = _save_with_opcodes(tmp_path / "checkpoint_last.pt", opcodes)
+    _refused_everywhere(path, "holds a pickled numpy.dtypes.ObjectDType, which the plugin does "
+                              "not load", tmp_path)
+
+
+def test_a_string_dtype_is_refused_too(tmp_path: Path) -> None:
+    opcodes = _global("numpy", "dtype") + _pickled_string("U5") + b"\x85R"
+    path = _save_with_opcodes(tmp_path / "checkpoint_last.pt", opcodes)
+    allow_fairseq_checkpoint_types()
+    assert "holds a pickled numpy.dtypes.StrDType" in verify.check(path).line
+
+
+def test_fairseqs_numeric_numpy_values_still_load(tmp_path: Path) -> None:
+    """Meters' scalars, --eval-bleu's count arrays, a big-endian array, and a dtype pickled
+    as numpy 1 did (its flags as the ints 0 and 1)."""
+    values = {"scalar": np.float64(1.5), "count": np.int64(7),
+              "counts": np.array([1, 2, 3]), "halves": np.array([0.5], dtype=np.float16),
+              "big_endian": np.array([1.25, 2.5], dtype=">f8"), "flags": np.array([True])}
+    path = tmp_path / "checkpoint_last.pt"
+    torch.save(_training_state(values), path)
+    allow_fairseq_checkpoint_types()
+    loaded = read_checkpoint(path)["extra_state"]["crafted"]
+    for name, value in values.items():  # (torch reads the big-endian one as native)
+        assert loaded[name].dtype == value.dtype.newbyteorder("=") and np.array_equal(
+            loaded[name], value), name
+    numpy1 = _global("numpy", "dtype") + _pickled_string("f8") + b"K\x00K\x01\x87R"
+    old = _save_with_opcodes(tmp_path / "numpy1.pt", numpy1)
+    assert read_checkpoint(old)["extra_state"]["crafted"] == np.dtype("f8")
+
+
 # ---------------------------------------------------------------- sharded checkpoints
 
 
