@@ -395,3 +395,33 @@ def test_a_chunk_holding_a_refused_pickle_is_named_in_one_line(
         assert f"holds a pickled {os.system.__module__}.system, which the plugin does not " \
             "load" in message, message
         assert "weights_only` set to `False" not in message and "raise " not in message
+    # fairseq-shard-consolidate streams the chunk instead: the same line, not torch's advice
+    with pytest.raises(consolidate.ConsolidateError) as refused:
+        consolidate.export_consolidated(index_file, tmp_path / "model.pt")
+    assert f"{shard_file}: its chunk at byte " in str(refused.value)
+    assert "weights_only` set to `False" not in str(refused.value)
+
+
+def test_a_file_the_weights_only_reader_refuses_names_its_reason_not_torchs_advice(
+    tmp_path: Path
+) -> None:
+    """An opcode torch's weights_only reader does not take: the first line of torch's message
+    is its advice to load the file with weights_only=False."""
+    from fairseq_shard_plugin.checkpoint.errors import describe_unreadable
+    from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
+
+    saved = io.BytesIO()
+    torch.save({"a": 1}, saved)
+    path = tmp_path / "checkpoint_last.pt"
+    with zipfile.ZipFile(saved) as source, zipfile.ZipFile(path, "w") as target:
+        for entry in source.infolist():
+            data = source.read(entry.filename)
+            if entry.filename.endswith("data.pkl"):
+                data = data.replace(b"K\x01s.", b"K\x01\x8e\x00\x00\x00\x00s.")
+            target.writestr(entry, data)
+    with pytest.raises(Exception) as failed:
+        read_checkpoint(path)
+    assert describe_unreadable(path, failed.value) == (
+        f"{path}: refused by torch's weights_only=True reader (Unsupported operand 142), "
+        "which the plugin never bypasses: a damaged or crafted file; re-save the checkpoint "
+        "where it was written")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -102,9 +103,21 @@ def describe_unreadable(filename: str | Path, error: BaseException) -> str:
         return (f"{filename}: holds a pickled {name}, which the plugin does not load "
                 "(weights_only=True: unpickling it could run code); re-save the checkpoint "
                 "without it where it was written")
+    if isinstance(error, pickle.UnpicklingError) and "WeightsUnpickler error" in str(error):
+        return (f"{filename}: refused by torch's weights_only=True reader "
+                f"({_unpickler_cause(error)}), which the plugin never bypasses: a damaged or "
+                "crafted file; re-save the checkpoint where it was written")
     size = Path(filename).stat().st_size if Path(filename).exists() else 0
     return (f"{filename}: unreadable checkpoint ({size} bytes; truncated or corrupted?): "
             f"{_first_line(error)}")
+
+
+def _unpickler_cause(error: BaseException) -> str:
+    """What torch's weights_only unpickler itself said (its message leads with advice to
+    load with ``weights_only=False``, which must never be passed on)."""
+    text = str(error).split("WeightsUnpickler error:", 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0][:200] if lines else "no reason given"
 
 
 def describe_checkpoint_problem(

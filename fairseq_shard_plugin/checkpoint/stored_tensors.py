@@ -27,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from fairseq_shard_plugin.checkpoint.atomic_files import describe_os_error
+from fairseq_shard_plugin.checkpoint.shard_metadata import describe_chunk_failure
 from fairseq_shard_plugin.checkpoint.streaming_writer import LazyTensor
 from fairseq_shard_plugin.errors import ShardPluginError
 
@@ -229,13 +230,10 @@ def _dcp_block(directory: Path, info: Any, start: tuple[int, ...]) -> StoredBloc
         try:
             tensor = torch.load(view, map_location="meta", weights_only=True)
         except Exception as error:  # noqa: BLE001 (a damaged chunk, in one line)
-            lines = str(error).strip().splitlines()
-            failure = f"{type(error).__name__}: {lines[0] if lines else ''}"
-        else:
-            failure = None if isinstance(tensor, torch.Tensor) else "not a tensor"
-        if failure is not None:
+            raise StoredTensorError(describe_chunk_failure(file, info.offset, error)) from None
+        if not isinstance(tensor, torch.Tensor):
             raise StoredTensorError(f"{file}: unreadable chunk at byte {info.offset} "
-                                    f"({failure})")
+                                    "(not a tensor)")
         view.seek(0)
         check_byte_order(view, file)
     return stored_block(file, tensor, info.offset, start)
