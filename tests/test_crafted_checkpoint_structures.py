@@ -292,6 +292,22 @@ def _without_checksums(index_file: Path, index: dict[str, Any]) -> None:
     torch.save(index, index_file)
 
 
+def test_an_index_copied_without_its_shards_says_what_to_copy(
+    sharded: Path, tmp_path: Path
+) -> None:
+    """fairseq's workflow of copying checkpoint_best.pt to another save dir: the error said
+    only that the shard directory was missing and to resume from an intact checkpoint."""
+    index_file, index, directory = _copy(sharded, tmp_path / "save")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    copied = Path(shutil.copy(index_file, elsewhere / "checkpoint_best.pt"))
+    with pytest.raises(ShardedCheckpointError) as refused:
+        read_shard_metadata(copied, index)
+    assert (f"a copy of the file alone needs checkpoint_shards/{directory.name} copied "
+            "beside it too, or export one standard file with fairseq-shard-consolidate"
+            ) in str(refused.value)
+
+
 def test_a_shard_reference_that_is_not_a_path_is_refused(sharded: Path, tmp_path: Path) -> None:
     index_file, index, _ = _copy(sharded, tmp_path / "save")
     index["model"]["encoder.embed_tokens.weight"] = {"__shard__": [1]}

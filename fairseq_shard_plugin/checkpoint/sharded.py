@@ -351,7 +351,11 @@ def read_shard_metadata(
             "shard directory")
     if not directory.is_dir():
         raise ShardedCheckpointError(
-            f"{index_file}: its shard directory {directory} is missing; {RESUME_HINT}"
+            f"{index_file}: its shard directory {directory} is missing (the file is the index "
+            f"of a sharded checkpoint, whose tensors stay in {SHARDS_DIR}/ beside it: a copy "
+            f"of the file alone needs {directory.parent.name}/{directory.name} copied beside "
+            "it too, or export one standard file with fairseq-shard-consolidate from where it "
+            f"was saved); {RESUME_HINT}"
         )
     try:
         metadata = SafeFileSystemReader(directory).read_metadata()
