@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from fairseq_shard_plugin.checkpoint import consolidate, verify
 from fairseq_shard_plugin.checkpoint.portable import plain
@@ -54,6 +53,8 @@ from fairseq_shard_plugin.checkpoint.sharded import (
     tensor_paths,
 )
 from fairseq_shard_plugin.cli import consolidate as cli_consolidate
+
+from tiny_training import one_rank_group
 
 PLACEHOLDER = "CRAFTED_PART_PLACEHOLDER"
 SECONDS = 20  # each test's limit: a walk along every path of a crafted file never ends
@@ -266,17 +267,12 @@ def test_fairseqs_numeric_numpy_values_still_load(tmp_path: Path) -> None:
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A save dir with one genuine sharded checkpoint, saved in a one-rank gloo group."""
     root = tmp_path_factory.mktemp("crafted_sharded")
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 1),
-                                rank=0, world_size=1)
-    state = _training_state({"epoch": 1})
-    state["model"]["encoder.version"] = torch.tensor([3.0])
-    save_dir = root / "save"
-    torch.save(save_sharded(state, save_dir, num_updates=4), save_dir / "checkpoint_last.pt")
-    yield save_dir
-    if started:
-        dist.destroy_process_group()
+    with one_rank_group(root):
+        state = _training_state({"epoch": 1})
+        state["model"]["encoder.version"] = torch.tensor([3.0])
+        save_dir = root / "save"
+        torch.save(save_sharded(state, save_dir, num_updates=4), save_dir / "checkpoint_last.pt")
+        yield save_dir
 
 
 def _copy(sharded: Path, destination: Path) -> tuple[Path, dict[str, Any], Path]:

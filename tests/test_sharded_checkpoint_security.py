@@ -55,6 +55,8 @@ from fairseq_shard_plugin.cli import consolidate as cli_consolidate
 from fairseq_shard_plugin.cli import verify as cli_verify
 from launching.harness import run_command
 
+from tiny_training import one_rank_group
+
 INDEX = "checkpoint_last.pt"
 
 
@@ -77,30 +79,26 @@ class _Genuine:
 def genuine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Genuine]:
     """Saved in a one-rank gloo group, which stays up for the module's collective loads."""
     root = tmp_path_factory.mktemp("sharded_security")
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 1),
-                                rank=0, world_size=1)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(6, 4, generator=generator)
-    state = {
-        "model": {"w": distribute_tensor(weight, mesh, [Shard(0)]),
-                  "b": torch.randn(4, generator=generator).to(torch.bfloat16),
-                  "steps": torch.arange(5)},
-        "last_optimizer_state": {"state": {0: {"exp_avg": torch.ones(3, dtype=torch.float16)}}},
-        "cfg": {"name": "tiny"},
-    }
-    save_dir = root / "save"
-    index = save_sharded(state, save_dir, num_updates=7)
-    torch.save(index, save_dir / INDEX)
-    tensors = {"model/w": weight, "model/b": state["model"]["b"],
-               "model/steps": state["model"]["steps"],
-               "last_optimizer_state/state/0/exp_avg":
-                   state["last_optimizer_state"]["state"][0]["exp_avg"]}
-    yield _Genuine(save_dir, tensors)
-    if started:
-        dist.destroy_process_group()
+    with one_rank_group(root):
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(6, 4, generator=generator)
+        state = {
+            "model": {"w": distribute_tensor(weight, mesh, [Shard(0)]),
+                      "b": torch.randn(4, generator=generator).to(torch.bfloat16),
+                      "steps": torch.arange(5)},
+            "last_optimizer_state": {
+                "state": {0: {"exp_avg": torch.ones(3, dtype=torch.float16)}}},
+            "cfg": {"name": "tiny"},
+        }
+        save_dir = root / "save"
+        index = save_sharded(state, save_dir, num_updates=7)
+        torch.save(index, save_dir / INDEX)
+        tensors = {"model/w": weight, "model/b": state["model"]["b"],
+                   "model/steps": state["model"]["steps"],
+                   "last_optimizer_state/state/0/exp_avg":
+                       state["last_optimizer_state"]["state"][0]["exp_avg"]}
+        yield _Genuine(save_dir, tensors)
 
 
 # ---------------------------------------------------------------- genuine checkpoints load

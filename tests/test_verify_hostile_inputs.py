@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fairseq_shard_plugin.checkpoint import consolidate, integrity, verify
 from fairseq_shard_plugin.checkpoint.integrity import (
@@ -31,6 +30,8 @@ from fairseq_shard_plugin.checkpoint.integrity import (
 )
 from fairseq_shard_plugin.checkpoint.sharded import SHARDED_KEY, save_sharded
 from fairseq_shard_plugin.cli import verify as cli_verify
+
+from tiny_training import one_rank_group
 
 _file_crc32 = integrity.file_crc32
 
@@ -248,16 +249,11 @@ def test_a_symlink_inside_its_directory_is_still_checked(tmp_path: Path, reads: 
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A save dir with one genuine sharded checkpoint, saved in a one-rank gloo group."""
     root = tmp_path_factory.mktemp("sharded")
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 1),
-                                rank=0, world_size=1)
-    save_dir = root / "save"
-    index = save_sharded(_fairseq_state(), save_dir, num_updates=6)
-    torch.save(index, save_dir / "checkpoint_last.pt")
-    yield save_dir
-    if started:
-        dist.destroy_process_group()
+    with one_rank_group(root):
+        save_dir = root / "save"
+        index = save_sharded(_fairseq_state(), save_dir, num_updates=6)
+        torch.save(index, save_dir / "checkpoint_last.pt")
+        yield save_dir
 
 
 def test_verify_refuses_a_checksummed_symlink_out_in_one_line(

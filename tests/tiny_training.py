@@ -6,12 +6,15 @@ unit the wrap policy builds, small enough that a launch costs mostly process sta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from fairseq import checkpoint_utils, options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
@@ -60,3 +63,18 @@ def reshard(nproc: int, corpus: Path, work: Path, spec: dict) -> dict:
                                      timeout=300)
     assert returncode == 0, output[-4000:]
     return json.loads((work / "report.json").read_text())
+
+
+@contextlib.contextmanager
+def one_rank_group(root: Path) -> Iterator[None]:
+    """A one-rank gloo process group in this process (DCP's saves and loads are
+    collective), unless one is up already; its store file under ``root``."""
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 1),
+                                rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if started:
+            dist.destroy_process_group()
