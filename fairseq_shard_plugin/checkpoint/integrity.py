@@ -23,10 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from fairseq_shard_plugin.checkpoint.shard_metadata import shard_files_outside
+from fairseq_shard_plugin.checkpoint.shard_metadata import resolves_outside
 from fairseq_shard_plugin.errors import ShardPluginError
 
 _CHUNK = 16 << 20
@@ -131,14 +129,6 @@ class UnsafeShardFileError(ShardPluginError, RuntimeError):
     directory (or no file name at all): refused without opening it."""
 
 
-def _resolves_outside(directory: Path, name: str) -> bool:
-    """:func:`shard_files_outside`'s check (a symlink out of ``directory``, say) for one
-    name, given as the only shard file of a metadata record."""
-    listing = Metadata(state_dict_metadata={},
-                       storage_data={MetadataIndex(name): _StorageInfo(name, 0, 0)})
-    return bool(shard_files_outside(directory, listing))
-
-
 def _why_not_to_open(directory: Path, name: Any) -> str | None:
     """Why the file the index names ``name`` must not be opened; None where it is a regular
     file of ``directory`` or absent (absent ones are reported as mismatched)."""
@@ -146,7 +136,7 @@ def _why_not_to_open(directory: Path, name: Any) -> str | None:
         return f"{str(name)[:200]!r}, which is not a file name of {directory}"
     path = directory / name
     try:
-        if _resolves_outside(directory, name):
+        if resolves_outside(directory, name):
             return (f"{path}, which resolves to {path.resolve()}, outside its directory "
                     "(a symlink?)")
         if path.exists() and not path.is_file():

@@ -306,12 +306,16 @@ def load_metadata(stream: IO[bytes], where: str | Path) -> Metadata:
     return metadata
 
 
+def resolves_outside(directory: Path, name: str) -> bool:
+    """Whether file ``name`` of ``directory`` resolves to no file of it (a symlink out of
+    it, say)."""
+    return (directory / name).resolve().parent != directory.resolve()
+
+
 def shard_files_outside(directory: Path, metadata: Metadata) -> list[str]:
-    """The shard file names of ``metadata`` that do not resolve to a file of ``directory``
-    (a symlink out of it, say)."""
-    inside = directory.resolve()
+    """The shard file names of ``metadata`` that :func:`resolves_outside` ``directory``."""
     names = {info.relative_path for info in metadata.storage_data.values()}
-    return sorted(name for name in names if (directory / name).resolve().parent != inside)
+    return sorted(name for name in names if resolves_outside(directory, name))
 
 
 def _file_kind(mode: int) -> str:
