@@ -544,7 +544,7 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
         note_checkpoint_read(path, state)  # the task checks the model it builds next
         optimizer = stock_trainer_optimizer()
         if optimizer is not None and isinstance(state, dict):  # fairseq's own trainer
-            give_to_stock_optimizer(path, state, optimizer())
+            give_to_stock_optimizer(path, state, *optimizer())
         return state
 
     return _marked(load_checkpoint_to_cpu, stock_load)

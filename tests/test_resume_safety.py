@@ -96,6 +96,14 @@ def test_a_plugin_checkpoint_resumes_under_legacy_ddp_with_its_adam_moments(
     assert resumed["train_num_updates"] == full["train_num_updates"]
     for key in ("train_loss", "train_nll_loss", "train_gnorm"):
         assert float(resumed[key]) == pytest.approx(float(full[key]), rel=1e-3), key
+    # --reset-optimizer (and so --finetune-from-model) takes the weights only, as before
+    fresh = tmp_path / "reset"
+    fresh.mkdir()
+    shutil.copyfile(runs["work"] / "fully_sharded" / "full" / "checkpoint1.pt",
+                    fresh / "checkpoint_last.pt")
+    done = run_command([tool("fairseq-train"), *_args(corpus, fresh, "legacy_ddp"),
+                        "--reset-optimizer"], env=rank_environment(), timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
 
 def test_a_checkpoint_rewritten_in_place_after_the_load_leaves_the_trainer_state_alone(

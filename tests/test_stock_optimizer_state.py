@@ -55,7 +55,9 @@ def test_state_that_does_not_fit_is_refused_in_one_line(
 def test_the_plugins_state_goes_to_fairseqs_own_optimizer_only_where_it_fits() -> None:
     """The other way round (a plugin checkpoint resumed under legacy_ddp, end to end in
     test_resume_safety.py): fairseq's Adam over the same parameters takes it; an optimizer
-    over one flat fp32 copy (stock --fp16's FP16Optimizer) is refused in one line."""
+    over one flat fp32 copy (stock --fp16's FP16Optimizer) is refused in one line; another
+    --optimizer (SGD's momentum from Adam's moments: a KeyError at the first step) is left
+    to fairseq's own "Optimizer does not match"."""
     from fairseq.optim.adam import FairseqAdam, FairseqAdamConfig
     from omegaconf import OmegaConf
 
@@ -66,18 +68,23 @@ def test_the_plugins_state_goes_to_fairseqs_own_optimizer_only_where_it_fits() -
         return FairseqAdam(OmegaConf.structured(FairseqAdamConfig(lr=[0.1], tpu=False)),
                            parameters)
 
-    state = stock_state("ShardedMasterOptimizer", SHAPES)
-    give_to_stock_optimizer("c.pt", state, adam(SHAPES))
+    def plugins() -> dict:
+        return {**stock_state("ShardedMasterOptimizer", SHAPES),
+                "cfg": {"optimizer": {"_name": "adam"}}}
+
+    state = plugins()
+    give_to_stock_optimizer("c.pt", state, adam(SHAPES), "adam")
     assert state["optimizer_history"][-1]["optimizer_name"] == "FairseqAdam"
-    state = stock_state("ShardedMasterOptimizer", SHAPES)
+    state = plugins()
     with pytest.raises(CheckpointLoadError) as refused:
-        give_to_stock_optimizer("c.pt", state, adam([torch.Size([36])]))
+        give_to_stock_optimizer("c.pt", state, adam([torch.Size([36])]), "adam")
     assert str(refused.value) == (
         "c.pt: its optimizer state (the plugin's, one entry per parameter) does not fit "
         "fairseq's FairseqAdam (exp_avg of parameter 0 has shape [8, 4], the parameter "
         "[36]); add --reset-optimizer to start the optimizer afresh, or resume with "
         "--ddp-backend fully_sharded")
     assert state["optimizer_history"][-1]["optimizer_name"] == "ShardedMasterOptimizer"
-    other = stock_state("SGD", SHAPES)  # not the plugin's: fairseq's own check decides
-    give_to_stock_optimizer("c.pt", other, adam(SHAPES))
-    assert other["optimizer_history"][-1]["optimizer_name"] == "SGD"
+    for other in (plugins(), stock_state("SGD", SHAPES)):  # another --optimizer; not ours
+        name = other["optimizer_history"][-1]["optimizer_name"]
+        give_to_stock_optimizer("c.pt", other, adam(SHAPES), "sgd")
+        assert other["optimizer_history"][-1]["optimizer_name"] == name

@@ -70,13 +70,19 @@ def adopt_stock_optimizer_state(
     history[-1]["optimizer_name"] = ours
 
 
-def give_to_stock_optimizer(filename: str, state: dict[str, Any], optimizer: Any) -> None:
+def give_to_stock_optimizer(filename: str, state: dict[str, Any], optimizer: Any,
+                            optimizer_name: str) -> None:
     """Relabel ``state``'s last optimizer entry, saved by the plugin's optimizer, for
-    fairseq's own ``optimizer`` (a run resumed under another ``--ddp-backend``) where its
-    per-parameter state fits, in place; refuse it in one line otherwise (stock ``--fp16``
-    keeps one flat fp32 copy)."""
+    fairseq's own ``optimizer`` (a run resumed under another ``--ddp-backend``) where it
+    wrapped the same ``--optimizer`` (``optimizer_name``) and its per-parameter state fits,
+    in place; refuse it in one line where only the layout differs (stock ``--fp16`` keeps
+    one flat fp32 copy). Another ``--optimizer`` is left to fairseq's own refusal."""
     history = state.get("optimizer_history") or [{}]
     if "last_optimizer_state" not in state or history[-1].get("optimizer_name") != PLUGINS:
+        return
+    cfg = state.get("cfg")
+    saved = cfg.get("optimizer") if hasattr(cfg, "get") else None
+    if not hasattr(saved, "get") or saved.get("_name") != optimizer_name:
         return
     stock = type(optimizer).__name__
     problem = layout_problem(state["last_optimizer_state"],

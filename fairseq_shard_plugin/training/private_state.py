@@ -13,6 +13,7 @@ plugin's trainer and, through integration hook 2, fairseq's own trainer under an
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any
@@ -51,7 +52,11 @@ def with_private_loaded_state(stock_trainer: type) -> type:
                 # every rank reads the file: rank 0's broadcast re-pickles the loaded
                 # OmegaConf config, which torch >= 2.6 refuses to unpickle on the others
                 self.cfg.checkpoint.load_checkpoint_on_all_dp_ranks = True
-            with loading_into_stock_trainer(lambda: self.optimizer):
+            # fairseq's signature: (filename, reset_optimizer=False, ...)
+            reset = bool(args[1] if len(args) > 1 else kwargs.get("reset_optimizer", False))
+            takes_state = contextlib.nullcontext() if reset else loading_into_stock_trainer(
+                lambda: (self.optimizer, self.cfg.optimizer._name))
+            with takes_state:
                 extra_state = super().load_checkpoint(*args, **kwargs)
             release_checkpoint_pages(self)
             return extra_state

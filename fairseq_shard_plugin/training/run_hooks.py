@@ -83,9 +83,10 @@ def loading_into_trainer(loader: TrainerLoader) -> Iterator[None]:
 
 @contextlib.contextmanager
 def loading_into_stock_trainer(optimizer: Callable[[], Any]) -> Iterator[None]:
-    """While fairseq's own trainer (any other ``--ddp-backend``, hook 2) loads a checkpoint:
-    ``optimizer`` gives the optimizer it resumes, whose name and layout hook 6 compares with
-    a checkpoint the plugin's optimizer saved."""
+    """While fairseq's own trainer (any other ``--ddp-backend``, hook 2) loads a checkpoint
+    with its optimizer state: ``optimizer`` gives the optimizer it resumes and its
+    ``--optimizer`` name, which hook 6 compares with a checkpoint the plugin's optimizer
+    saved."""
     _stock_optimizers.append(optimizer)
     try:
         yield
