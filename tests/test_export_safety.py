@@ -6,9 +6,11 @@ export is not a checkpoint to resume from, so ``--newest`` never picks one."""
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,10 +70,15 @@ def test_an_export_never_replaces_a_shard_file_or_a_file_that_is_not_a_checkpoin
     (shards,) = (save_dir / "checkpoint_shards").iterdir()
     dictionary = tmp_path / "dict.src.txt"
     dictionary.write_text("a 1\n")
-    targets = {**{path: "where sharded checkpoints keep their shards" for path in (
-        *shards.iterdir(), shards / "new.pt", save_dir / "checkpoint_shards" / "model.pt")},
-        dictionary: "it is an existing file that is not a checkpoint"}
-    assert shards / MARKER in targets and len(targets) > 4
+    arrays = tmp_path / "arrays.npz"  # a zip, and a pickle: neither written by torch.save
+    np.savez(arrays, counts=np.arange(3))
+    pickled = tmp_path / "meters.pkl"
+    pickled.write_bytes(pickle.dumps({"bleu": 1.0}, protocol=2))
+    targets = {**{path: "where a sharded checkpoint keeps its shards" for path in (
+        *shards.iterdir(), shards / "new.pt")},
+        **{path: "it is an existing file that is not a checkpoint" for path in (
+            dictionary, arrays, pickled)}}
+    assert shards / MARKER in targets and len(targets) > 5
     before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
     for target, problem in targets.items():
         with pytest.raises(consolidate.ConsolidateError, match=problem):
@@ -79,6 +86,11 @@ def test_an_export_never_replaces_a_shard_file_or_a_file_that_is_not_a_checkpoin
     assert {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()} == before
     consolidate.export_consolidated(save_dir, tmp_path / "model.pt")
     consolidate.export_consolidated(save_dir, tmp_path / "model.pt")  # an export: replaced
+    (tmp_path / "empty.pt").touch()  # mktemp's: nothing to lose
+    consolidate.export_consolidated(save_dir, tmp_path / "empty.pt")
+    # a directory of that name elsewhere is only a name; checkpoint_shards/ itself too
+    consolidate.export_consolidated(save_dir, tmp_path / "checkpoint_shards" / "run" / "m.pt")
+    consolidate.export_consolidated(save_dir, save_dir / "checkpoint_shards" / "model.pt")
 
 
 def test_a_source_replaced_while_it_is_read_writes_nothing(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,6 @@ from fairseq_shard_plugin.checkpoint.shard_metadata import SafeFileSystemReader
 from fairseq_shard_plugin.checkpoint.sharded import (
     MARKER,
     SHARDED_KEY,
-    SHARDS_DIR,
     ShardedCheckpointError,
     fill_tensors,
     full_tensors,
@@ -259,12 +259,32 @@ def holds_training_state(path: Path) -> bool:
                                         or is_sharded_index(state))
 
 
-def _is_torch_file(path: Path) -> bool:
+# torch.save's legacy format starts with its magic number, pickled (protocol 2, LONG1)
+_LEGACY_TORCH_HEAD = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+
+
+def _replaceable(path: Path) -> bool:
+    """Whether an existing file may be replaced by an export: empty, or written by
+    ``torch.save`` (a zip holding its ``data.pkl``, or the legacy format's magic number);
+    not any other zip (``.npz``) or pickle."""
     try:
-        checkpoint_format(path)
-    except (NotACheckpointError, OSError):
+        if path.stat().st_size == 0:
+            return True
+        if checkpoint_format(path) == "zip":
+            with zipfile.ZipFile(path) as archive:
+                return any(name.endswith("/data.pkl") or name == "data.pkl"
+                           for name in archive.namelist())
+        with open(path, "rb") as stream:
+            return stream.read(len(_LEGACY_TORCH_HEAD)) == _LEGACY_TORCH_HEAD
+    except (NotACheckpointError, OSError, zipfile.BadZipFile):
         return False
-    return True
+
+
+def _inside_a_shard_directory(destination: Path) -> Path | None:
+    """The shard directory (one holding the plugin's marker) ``destination`` lies in."""
+    folder = destination.parent.resolve()
+    return next((each for each in (folder, *folder.parents) if (each / MARKER).exists()),
+                None)
 
 
 def export_target_problem(destination: str | Path, source: Path | None = None,
@@ -276,18 +296,17 @@ def export_target_problem(destination: str | Path, source: Path | None = None,
     the training's ``save_dir``: a resume would then restart at update 0 from weights
     without optimizer state and overwrite the save dir's checkpoints."""
     destination = Path(destination)
-    folder = destination.parent.resolve()
-    for each in (folder, *folder.parents):
-        if each.name == SHARDS_DIR or (each / MARKER).exists():
-            return (f"it is inside {each}, where sharded checkpoints keep their shards "
-                    "(replacing a file there damages them)")
+    shards = _inside_a_shard_directory(destination)
+    if shards is not None:
+        return (f"it is inside {shards}, where a sharded checkpoint keeps its shards "
+                "(replacing a file there damages it)")
     if destination.is_symlink() or destination.is_file():
         if source is not None and destination.exists() and os.path.samefile(destination,
                                                                             source):
             return f"it is the checkpoint being exported ({source})"
         if holds_training_state(destination):
             return "it holds a training checkpoint (optimizer state), which it would replace"
-        if destination.is_file() and not _is_torch_file(destination):
+        if destination.is_file() and not _replaceable(destination):
             return "it is an existing file that is not a checkpoint, which it would replace"
     if re.fullmatch(r"checkpoint_last\S*\.pt", destination.name):
         return "fairseq resumes training from checkpoint_last*.pt"
