@@ -85,7 +85,10 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    and the model config as the ``argparse.Namespace``
    fairseq's legacy architectures expect where the plugin wrote it as a dict (so that
    ``torch.load(weights_only=True)`` reads the file without the plugin:
-   ``portable.with_plain_config``). Other loads pass through unchanged.
+   ``portable.with_plain_config``). Outside the sharded trainer (which names it with the
+   model at hand), a file it cannot read (neither torch format, a refused pickle, a
+   structure no checkpoint has) is one line, not a traceback of ``fairseq-generate``.
+   Other loads pass through unchanged.
    fairseq 0.12 reads the file through an open file object (``torch.load(f)``), which
    copies the whole checkpoint into each process's own memory: N ranks of a host held N
    copies of released weights. While the wrapper runs fairseq's function, the ``torch``
@@ -165,6 +168,7 @@ import difflib
 import importlib
 import logging
 import os
+import pickle
 import re
 import signal
 import sys
@@ -187,12 +191,16 @@ from fairseq_shard_plugin.checkpoint.atomic_files import (
     copy_atomically,
     describe_os_error,
 )
-from fairseq_shard_plugin.checkpoint.errors import save_failure
+from fairseq_shard_plugin.checkpoint.errors import (
+    CheckpointLoadError,
+    describe_unreadable,
+    save_failure,
+)
 from fairseq_shard_plugin.checkpoint.portable import (
     languages_as_lists,
     with_model_namespace,
 )
-from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
+from fairseq_shard_plugin.checkpoint.reading import NotACheckpointError, read_checkpoint
 from fairseq_shard_plugin.checkpoint.stock_optimizer_state import give_to_stock_optimizer
 from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.memory.metrics import MaxMeter
@@ -528,9 +536,14 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
         )
         from fairseq_shard_plugin.checkpoint.sharded import is_sharded_index
 
-        with _checkpoints_mapped():
-            state = stock_load(path, arg_overrides, load_on_all_ranks,
-                               **kwargs)  # nllb: is_moe
+        try:
+            with _checkpoints_mapped():
+                state = stock_load(path, arg_overrides, load_on_all_ranks,
+                                   **kwargs)  # nllb: is_moe
+        except (NotACheckpointError, pickle.UnpicklingError) as error:
+            if active_trainer_loader() is not None:
+                raise  # the sharded trainer names it with the model's shapes at hand
+            raise CheckpointLoadError(describe_unreadable(path, error)) from error
         state = languages_as_lists(state)  # a --langs path, as earlier versions saved it
         loader = active_trainer_loader()
         if loader is not None:

@@ -53,6 +53,7 @@ from fairseq_shard_plugin.checkpoint.sharded import (
     tensor_paths,
 )
 from fairseq_shard_plugin.cli import consolidate as cli_consolidate
+from launching.harness import PLUGIN_DIR, run_command, tool
 
 from tiny_training import one_rank_group
 
@@ -155,6 +156,29 @@ def test_lists_nested_300000_deep_are_refused_as_too_deep(tmp_path: Path, legacy
                               b"]" * depth + b"a" * (depth - 1), legacy)
     _refused_everywhere(path, "lists or dicts nested more than 100 deep", tmp_path)
     assert "truncated" not in verify.check(path).line
+
+
+@pytest.mark.e2e
+def test_fairseq_generate_with_the_plugin_refuses_them_in_one_line(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """verify and consolidate said one line; fairseq-generate printed the refusal (or
+    torch's advice to load with weights_only=False) inside a traceback."""
+    shared = tmp_path / "shared.pt"
+    torch.save(_training_state(_shared_lists(60)), shared)
+    runs = _save_with_opcodes(tmp_path / "runs.pt", _global("os", "system")
+                              + _pickled_string("true") + b"\x85R")  # os.system("true")
+    for path, words in ((shared, "more than 10,000,000 entries"),
+                        (runs, "holds a pickled os.system, which the plugin does not load")):
+        generated = run_command([tool("fairseq-generate"), str(corpus), "--path", str(path),
+                                 "--cpu", "--user-dir", str(PLUGIN_DIR), "--task",
+                                 "sharded_translation"], timeout=120)
+        assert generated.returncode != 0
+        last = generated.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"fairseq-shard-plugin: error: {path}: ") and words in last, \
+            generated.stderr[-3000:]
+        assert "Traceback" not in generated.stderr and "weights_only` set to `False" not in \
+            generated.stderr
 
 
 def test_a_list_that_contains_itself_is_refused() -> None:
