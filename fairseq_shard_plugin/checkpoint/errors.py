@@ -41,6 +41,12 @@ def save_failure(error: WriteError, save_dir: str) -> CheckpointWriteError:
 _OUT_OF_SPACE = ("ENOSPC", "EDQUOT", "EFBIG")  # as atomic_files.describe_os_error names them
 
 
+def tensor_shapes(model_state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The shapes of the tensors of a checkpoint's ``model`` entry (other values skipped)."""
+    return {name: tuple(tensor.shape) for name, tensor in model_state.items()
+            if isinstance(tensor, torch.Tensor)}
+
+
 def state_dict_shapes(module: torch.nn.Module) -> dict[str, torch.Size]:
     """The names and shapes ``module.state_dict()`` has, without calling it (no collective):
     tied parameters under every name that holds them, and persistent buffers."""
@@ -132,9 +138,7 @@ def describe_checkpoint_problem(
     if not isinstance(saved, dict):
         return f"{filename}: not a fairseq checkpoint (its 'model' is a {type(saved).__name__}, " \
             "not a dict of tensors)"
-    shapes = {name: tuple(tensor.shape) for name, tensor in saved.items()
-              if isinstance(tensor, torch.Tensor)}
-    problem = describe_shape_mismatch(filename, shapes, model_shapes)
+    problem = describe_shape_mismatch(filename, tensor_shapes(saved), model_shapes)
     if problem:
         return problem
     return f"{filename}: could not be loaded: {first_cause(error)}"

@@ -89,36 +89,39 @@ def _refused(what: str) -> CheckpointStructureError:
         "file?); re-save the checkpoint without it where it was written")
 
 
-def check_structure(state: Any) -> None:
+def check_structure(state: Any, parts_of: Callable[[Any], Iterable[Any] | None] = _parts,
+                    max_nesting: int = MAX_NESTING, max_entries: int = MAX_ENTRIES) -> None:
     """:class:`CheckpointStructureError` unless ``state``'s containers nest at most
-    :data:`MAX_NESTING` deep, hold at most :data:`MAX_ENTRIES` entries counted along
-    every path (a shared list once per reference) and none contains itself. Each
-    container is measured once, so a crafted file costs time linear in its size."""
+    ``max_nesting`` deep, hold at most ``max_entries`` entries counted along every path (a
+    shared list once per reference) and none contains itself. ``parts_of`` says what a
+    container holds (None for a value that is none; it may raise the error itself for a
+    value it refuses). Each container is measured once, so a crafted file costs time
+    linear in its size."""
     measured: dict[int, tuple[int, int]] = {}  # id -> (entries along every path, height)
     open_now: set[int] = set()
 
     def measure(value: Any, depth: int) -> tuple[int, int]:
-        parts = _parts(value)
+        parts = parts_of(value)
         if parts is None:
             return 1, 0
         known = measured.get(id(value))
         if known is None:
             if id(value) in open_now:
                 raise _refused("a list or dict that contains itself")
-            if depth >= MAX_NESTING:
-                raise _refused(f"lists or dicts nested more than {MAX_NESTING} deep")
+            if depth >= max_nesting:
+                raise _refused(f"lists or dicts nested more than {max_nesting} deep")
             open_now.add(id(value))
             entries, height = 1, 0
             for part in parts:
                 size, below = measure(part, depth + 1)
                 entries, height = entries + size, max(height, below + 1)
-                if entries > MAX_ENTRIES:
-                    raise _refused(f"more than {MAX_ENTRIES:,} entries counted along every "
+                if entries > max_entries:
+                    raise _refused(f"more than {max_entries:,} entries counted along every "
                                    "path (lists shared by reference, say)")
             open_now.discard(id(value))
             known = measured[id(value)] = entries, height
-        if depth + known[1] > MAX_NESTING:
-            raise _refused(f"lists or dicts nested more than {MAX_NESTING} deep")
+        if depth + known[1] > max_nesting:
+            raise _refused(f"lists or dicts nested more than {max_nesting} deep")
         return known
 
     measure(state, 0)

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from fairseq_shard_plugin.checkpoint.reading import CheckpointStructureError, check_structure
 from fairseq_shard_plugin.errors import ShardPluginError
 
 METADATA_FILE = ".metadata"
@@ -179,35 +180,25 @@ _PLAIN_DEPTH = 32
 _PLAIN_ENTRIES = 10_000_000
 
 
-class _NotPlain(Exception):
-    """Raised inside :func:`_plain_data` to stop at the first part that is not plain."""
+def _plain_parts(value: Any) -> Any:
+    """What a container of plain data holds; None for a plain value (a string, an int, a
+    bool, None); anything else is refused."""
+    if value is None or type(value) in (str, int, bool):
+        return None
+    if type(value) is dict:
+        return (*value.keys(), *value.values())
+    if type(value) in (list, tuple):
+        return value
+    raise CheckpointStructureError(f"a {type(value).__name__}")
 
 
 def _plain_data(value: Any) -> bool:
     """Nested dicts, lists and tuples of strings, ints, bools and None (the planner's data),
-    none below depth ``_PLAIN_DEPTH``, at most ``_PLAIN_ENTRIES`` entries counted along
-    every path; each container is checked once (shared lists cost no walk per path)."""
-    measured: dict[int, tuple[int, int]] = {}  # id -> (entries along every path, height)
-
-    def measure(item: Any, depth: int) -> tuple[int, int]:
-        if item is None or type(item) in (str, int, bool):
-            return 1, 0
-        known = measured.get(id(item))
-        if known is None:
-            if depth > _PLAIN_DEPTH or type(item) not in (dict, list, tuple):
-                raise _NotPlain  # a container inside itself ends here too
-            parts = (*item.keys(), *item.values()) if type(item) is dict else item
-            sizes = [measure(part, depth + 1) for part in parts]
-            known = (1 + sum(size for size, _ in sizes),
-                     1 + max((height for _, height in sizes), default=-1))
-            measured[id(item)] = known
-        if known[0] > _PLAIN_ENTRIES or depth + known[1] > _PLAIN_DEPTH + 1:
-            raise _NotPlain
-        return known
-
+    no container deeper than ``_PLAIN_DEPTH``, at most ``_PLAIN_ENTRIES`` entries counted
+    along every path (:func:`..reading.check_structure`: each container measured once)."""
     try:
-        measure(value, 0)
-    except _NotPlain:
+        check_structure(value, _plain_parts, _PLAIN_DEPTH + 1, _PLAIN_ENTRIES)
+    except CheckpointStructureError:
         return False
     return True
 
@@ -330,7 +321,7 @@ def open_metadata_file(directory: Path, path: Path) -> IO[bytes]:
     :class:`UnsafeMetadataError` for one that resolves outside ``directory`` or is no
     regular file (a FIFO would block the read forever: it is opened without blocking and
     checked before anything is read)."""
-    if path.resolve().parent != directory.resolve():
+    if resolves_outside(directory, path.name):
         raise UnsafeMetadataError(
             f"{path}: resolves to {path.resolve()}, outside its shard directory (a symlink?); "
             "refused to read it: resume from an intact checkpoint")

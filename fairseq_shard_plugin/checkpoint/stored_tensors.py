@@ -184,6 +184,7 @@ def check_stored_where_torch_says(block: StoredBlock, offsets: frozenset[int]) -
             "by another zip tool?), so they cannot be read in place: save it again with "
             "torch.save(torch.load(FILE, weights_only=True), FILE2) and export that")
 
+
 class _FileView(io.RawIOBase):
     """Bytes ``[start, start + length)`` of an open binary file, as a file of their own."""
 

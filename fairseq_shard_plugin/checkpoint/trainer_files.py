@@ -16,6 +16,7 @@ from fairseq_shard_plugin.checkpoint.errors import (
     CheckpointLoadError,
     describe_shape_mismatch,
     state_dict_shapes,
+    tensor_shapes,
 )
 from fairseq_shard_plugin.checkpoint.fairscale_sets import (
     is_fairscale_state,
@@ -180,10 +181,8 @@ def trainer_state_loader(
             saved, model = state.get("model"), getattr(trainer, "_model", None)
             if isinstance(saved, dict) and model is not None and not (
                     is_sharded_index(state) or is_rank_file_state(state)):
-                problem = describe_shape_mismatch(
-                    filename, {name: tuple(tensor.shape) for name, tensor in saved.items()
-                               if isinstance(tensor, torch.Tensor)},
-                    state_dict_shapes(model))
+                problem = describe_shape_mismatch(filename, tensor_shapes(saved),
+                                                  state_dict_shapes(model))
                 if problem:
                     raise CheckpointLoadError(problem) from None
             raise

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fairseq_shard_plugin.checkpoint.errors import describe_shape_difference
+from fairseq_shard_plugin.checkpoint.errors import describe_shape_difference, state_dict_shapes
 from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.training.run_hooks import checkpoint_read
 
@@ -28,8 +28,8 @@ class MatchingTheCheckpoint:
         model = super().build_model(cfg, from_checkpoint)  # type: ignore[misc]
         read = checkpoint_read()
         if from_checkpoint and read is not None:
-            problem = describe_shape_difference(read.path, read.shapes, {
-                name: tuple(tensor.shape) for name, tensor in model.state_dict().items()})
+            problem = describe_shape_difference(read.path, read.shapes,
+                                                state_dict_shapes(model))
             if problem:
                 raise CheckpointModelMismatchError(problem)
         return model

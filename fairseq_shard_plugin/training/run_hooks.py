@@ -16,8 +16,6 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-
 TrainerLoader = Callable[[str, dict[str, Any]], dict[str, Any]]
 _trainer_loaders: list[TrainerLoader] = []
 _stock_optimizers: list[Callable[[], Any]] = []
@@ -39,11 +37,11 @@ class CheckpointRead:
 
 def note_checkpoint_read(path: str, state: Any) -> None:
     """Note the checkpoint ``state`` fairseq read from ``path`` (hook 6)."""
+    from fairseq_shard_plugin.checkpoint.errors import tensor_shapes
     from fairseq_shard_plugin.checkpoint.portable import stored_languages
 
     model = state.get("model") if isinstance(state, dict) else None
-    shapes = {name: tuple(value.shape) for name, value in (model or {}).items()
-              if isinstance(value, torch.Tensor)} if isinstance(model, dict) else {}
+    shapes = tensor_shapes(model) if isinstance(model, dict) else {}
     _checkpoint_read[0] = CheckpointRead(str(path), stored_languages(state), shapes)
 
 
