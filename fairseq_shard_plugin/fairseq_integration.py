@@ -49,7 +49,10 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    checkpoint that cannot be loaded into a one-line error naming the file and the mismatch.
    Under ``--export-consolidated PATH`` it also runs, after training on rank 0, the export
    of the final ``checkpoint_last.pt`` (fairseq's ``main`` has no end-of-training hook),
-   unless a signal stopped the training (hook 9).
+   unless a signal stopped the training (hook 9). Every rank first joins rank 0 in
+   holding the save dir for the training (``checkpoint.save_dir_claim``: one training per
+   save dir, the same directory on every rank), before fairseq's ``main`` reads or writes
+   anything there.
    ``fairseq-hydra-train`` imports ``common.user_dir`` inside ``main``, after this call:
    there the plugin's Hydra callback (``hydra_callback``) activates the plugin at job start.
 5. ``checkpoint_utils.save_checkpoint``: fairseq writes the first checkpoint name through
@@ -201,6 +204,7 @@ from fairseq_shard_plugin.checkpoint.portable import (
     with_model_namespace,
 )
 from fairseq_shard_plugin.checkpoint.reading import NotACheckpointError, read_checkpoint
+from fairseq_shard_plugin.checkpoint.save_dir_claim import claimed_save_dir
 from fairseq_shard_plugin.checkpoint.stock_optimizer_state import give_to_stock_optimizer
 from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.memory.metrics import MaxMeter
@@ -339,8 +343,12 @@ class _TrainThenExport:
     def __call__(self, cfg: Any, **kwargs: Any) -> Any:
         mark_export_follows_training()
         result = None
+        settings = _settings_of(cfg)
+        save_dir = (contextlib.nullcontext() if cfg.checkpoint.no_save
+                    or "://" in cfg.checkpoint.save_dir  # remote storage: fairseq's own
+                    else claimed_save_dir(cfg.checkpoint.save_dir))
         try:
-            with training_with(_settings_of(cfg)):
+            with save_dir, training_with(settings):
                 result = self.main(cfg, **kwargs)
         except TrainingAlreadyFinished as finished:  # (every rank, at the same update)
             logger.info(str(finished))

@@ -231,8 +231,8 @@ def wait_for_ranks(
 
 
 def start_ranks(
-    command: list[str], nproc: int, env: dict[str, str], cwd: Path = REPO, timeout: float = 600,
-    watch: Watcher | None = None,
+    command: list[str], nproc: int, env: dict[str, str], cwd: Path | list[Path] = REPO,
+    timeout: float = 600, watch: Watcher | None = None,
 ) -> tuple[int, str]:
     """Run ``command`` as ``nproc`` ranks on this machine with the variables torchrun gives
     its workers (``TORCHRUN_VARIABLES``), but without torchrun's agent process, whose own
@@ -240,15 +240,17 @@ def start_ranks(
     launch. The commands documented for users run under torchrun itself in test_hydra,
     test_checkpoints (the crash helper) and test_hybrid_offload (two torchrun "nodes").
 
-    Returns the first failing exit code (or 0) and the ranks' outputs, rank 0 first.
+    ``cwd`` may be a list: each rank's working directory. Returns the first failing exit
+    code (or 0) and the ranks' outputs, rank 0 first.
     """
+    cwds = cwd if isinstance(cwd, list) else [cwd] * nproc
     port = str(free_port())
     outputs = [tempfile.TemporaryFile() for _ in range(nproc)]
     ranks = [
         forkserver.start(command, dict(
             env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
             LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port), cwd, output)
+            MASTER_PORT=port), cwds[rank], output)
         for rank, output in enumerate(outputs)
     ]
     codes, texts = wait_for_ranks(ranks, outputs, timeout, watch=watch)

@@ -24,11 +24,18 @@ class CheckpointWriteError(WriteError):
 
 
 def save_failure(error: WriteError, save_dir: str) -> CheckpointWriteError:
-    """``error`` with what to do: free space (where space ran out; else fix what the error
-    names), then resume from the intact checkpoints (or start afresh, where no checkpoint
-    was saved yet). The error may come from another rank, as text: its errno name says."""
-    out_of_space = any(f"({name})" in str(error) for name in _OUT_OF_SPACE)
-    fix = f"Free space in {save_dir}" if out_of_space else "Fix that"
+    """``error`` with what to do: free space (where space ran out), raise a file size limit
+    (where a file outgrew one), else fix what the error names; then resume from the intact
+    checkpoints (or start afresh, where no checkpoint was saved yet). The error may come
+    from another rank, as text: its errno name says."""
+    if "(EFBIG)" in str(error):  # freeing space would not help: the next try fails alike
+        fix = ("A checkpoint file outgrew a file size limit (the shell's ulimit -f, or the "
+               "file system's largest file): raise it, give a --save-dir on another file "
+               "system, or save with --checkpoint-format sharded (a smaller file per rank),")
+    elif any(f"({name})" in str(error) for name in _OUT_OF_SPACE):
+        fix = f"Free space in {save_dir}"
+    else:
+        fix = "Fix that"
     if not any(Path(save_dir).glob("checkpoint_last*.pt")):
         return CheckpointWriteError(
             f"{error}. {fix} and run the same command again: no checkpoint was saved yet, "
@@ -38,7 +45,7 @@ def save_failure(error: WriteError, save_dir: str) -> CheckpointWriteError:
         "checkpoint_last.pt (fairseq-shard-verify checks what is there)")
 
 
-_OUT_OF_SPACE = ("ENOSPC", "EDQUOT", "EFBIG")  # as atomic_files.describe_os_error names them
+_OUT_OF_SPACE = ("ENOSPC", "EDQUOT")  # as atomic_files.describe_os_error names them
 
 
 def tensor_shapes(model_state: dict[str, Any]) -> dict[str, tuple[int, ...]]:

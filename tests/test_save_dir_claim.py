@@ -1,0 +1,137 @@
+"""One training per save dir, and one save dir for every rank (checkpoint.save_dir_claim).
+
+Found by a tester: two runs in one save dir (sharded format) deleted each other's newest
+shards and reported their saves as done; ranks whose relative --save-dir resolved from
+different working directories (Hydra's per-rank ``${now:...}`` run directories) split every
+sharded save between two directories, rc 0; a save whose index write failed left its
+complete shard directory behind, and the resumed run had no room to save.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fairseq_shard_plugin.checkpoint.save_dir_claim import LOCK_NAME, claimed_save_dir
+from fairseq_shard_plugin.checkpoint.sharded import MARKER, SHARDS_DIR, mark_as_shard_directory
+from fairseq_shard_plugin.checkpoint.verify import check
+from launching.harness import (
+    PLUGIN_DIR,
+    rank_environment,
+    run_training,
+    start_ranks,
+    tool,
+    training_args,
+)
+
+from tiny_training import SHARDED, TINY
+
+pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
+
+
+def _plugin_args(args: list[str]) -> list[str]:
+    return [*args, "--task", "sharded_translation"]
+
+
+def _plugin_command(args: list[str]) -> list[str]:
+    return [tool("fairseq-train"), *_plugin_args(args), "--user-dir", str(PLUGIN_DIR),
+            "--ddp-backend", "fully_sharded"]
+
+
+def test_a_second_training_in_a_save_dir_in_use_stops_in_one_line_and_writes_nothing(
+    corpus: Path, tmp_path: Path
+) -> None:
+    save_dir = tmp_path / "save"
+    args = [*training_args(corpus, save_dir, max_update=2), *TINY, *SHARDED]
+    with claimed_save_dir(str(save_dir)):  # as a training that holds it does
+        code, output = start_ranks(_plugin_command(args), 2, rank_environment(), timeout=120)
+        assert code == 1, output[-3000:]
+        errors = [line for line in output.splitlines()
+                  if line.startswith("fairseq-shard-plugin: error: ")]
+        assert len(errors) == 2 and len(set(errors)) == 1, output[-3000:]  # every rank
+        assert errors[0].startswith("fairseq-shard-plugin: error: another training (pid ")
+        assert f"is saving its checkpoints into {save_dir}: give this one its own --save-dir" \
+            in errors[0]
+        assert "Traceback" not in output and "| epoch 001 |" not in output
+        assert sorted(path.name for path in save_dir.iterdir()) == [LOCK_NAME]
+    run_training(_plugin_args(args), nproc=2, plugin=True)  # once the save dir is free
+    assert check(save_dir / "checkpoint_last.pt").resumable
+    assert not (save_dir / LOCK_NAME).exists()  # removed at the end
+
+
+def test_ranks_whose_save_dirs_differ_are_refused_before_training(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """A relative --save-dir from a different working directory on each rank."""
+    cwds = [tmp_path / "rank0", tmp_path / "rank1"]
+    for cwd in cwds:
+        cwd.mkdir()
+    args = [*training_args(corpus, Path("save"), max_update=2), *TINY, *SHARDED]
+    code, output = start_ranks(_plugin_command(args), 2, rank_environment(), cwd=cwds,
+                               timeout=120)
+    assert code == 1, output[-3000:]
+    errors = [line for line in output.splitlines()
+              if line.startswith("fairseq-shard-plugin: error: ")]
+    assert errors == [
+        f"fairseq-shard-plugin: error: the save dir is {cwds[0] / 'save'} on rank 0 but "
+        f"{cwds[1] / 'save'} on rank 1: every rank must save into one directory (a relative "
+        "--save-dir resolves from each rank's working directory, which Hydra makes per rank "
+        "with hydra.job.chdir and a ${now:...} hydra.run.dir): give an absolute --save-dir "
+        "(checkpoint.save_dir)"] * 2, output[-3000:]
+    assert not (cwds[1] / "save").exists() and not any((cwds[0] / "save").iterdir())
+
+
+def test_shard_directories_no_checkpoint_refers_to_are_removed_before_training(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """What a save that was killed, or whose index could not be written, leaves behind is
+    removed at the next start (it took the room the next save needed); a directory the
+    plugin did not mark is kept."""
+    save_dir = tmp_path / "save"
+    run_training(_plugin_args([*training_args(corpus, save_dir, max_update=2), *TINY,
+                               *SHARDED]), nproc=1, plugin=True)
+    shards = save_dir / SHARDS_DIR
+    [saved] = list(shards.iterdir())
+    orphan = shards / "u3-18ee78e97eafec63"  # update 3's save, its index never written
+    shutil.copytree(saved, orphan)
+    mark_as_shard_directory(orphan, save_dir)
+    foreign = shards / "u4-18ee78e97eafec64"  # the same, but not marked as the plugin's
+    shutil.copytree(saved, foreign)
+    (foreign / MARKER).unlink()
+    result = run_training(_plugin_args([*training_args(corpus, save_dir, max_update=3), *TINY,
+                                        *SHARDED]), nproc=1, plugin=True)
+    assert f"removed {orphan}: no checkpoint refers to it (left by a save that was " \
+        "interrupted or failed)" in result.output
+    assert not orphan.exists() and foreign.is_dir()
+    assert "(epoch 1 @ 2 updates)" in result.output  # resumed from the intact checkpoint
+
+
+def test_a_symlink_as_the_lock_file_is_not_followed(tmp_path: Path) -> None:
+    """The lock file is truncated and written by its holder: through a link planted under
+    its name that would change another file."""
+    from fairseq_shard_plugin.checkpoint.save_dir_claim import SaveDirInUseError
+
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    save_dir = tmp_path / "save"
+    save_dir.mkdir()
+    (save_dir / LOCK_NAME).symlink_to(precious)
+    with pytest.raises(SaveDirInUseError, match=r"^cannot write into the save dir .*ELOOP"):
+        with claimed_save_dir(str(save_dir)):
+            pass
+    assert precious.read_text() == "keep me" and (save_dir / LOCK_NAME).is_symlink()
+
+
+def test_a_save_dir_is_held_until_the_block_ends(tmp_path: Path) -> None:
+    import fcntl
+
+    with claimed_save_dir(str(tmp_path / "save")):
+        lock_file = tmp_path / "save" / LOCK_NAME
+        assert lock_file.read_text().startswith("pid ")
+        with open(lock_file) as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert not lock_file.exists()
+    with claimed_save_dir(str(tmp_path / "save")):  # free again
+        pass
