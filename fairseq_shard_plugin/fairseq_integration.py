@@ -138,8 +138,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
     lines for ``fairseq-train``), once per rank under torchrun or srun. Once the plugin is
     loaded (it is imported while fairseq parses, before the final parse), the mistake is one
     line from the launcher's rank 0, with the closest option when there is one (``did you mean
-    --keep-vocabulary-gathered?``), and the same exit status 2; other parsers keep
-    argparse's behaviour.
+    --keep-vocabulary-gathered?``), else argparse's list of the choices, or the tasks that
+    carry a plugin option given to another task (fairseq's ``--help`` lists no task's
+    options), and the same exit status 2; other parsers keep argparse's behaviour.
 
 12. ``checkpoint_utils.verify_checkpoint_directory``: fairseq's ``main`` calls it on its
     master rank to create the save dir and probe it with a file named ``dummy``. Where the
@@ -209,6 +210,7 @@ from fairseq_shard_plugin.checkpoint.stock_optimizer_state import give_to_stock_
 from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.memory.metrics import MaxMeter
 from fairseq_shard_plugin.sharding.options import (
+    SHARDING_FLAGS,
     options_given,
     sharding_options,
     take_use_sharded_state,
@@ -622,7 +624,7 @@ def _short_parser_errors(stock_error: Callable[..., Any]) -> Callable[..., Any]:
         if "--user-dir" not in options or not parser.prog.startswith("fairseq-"):
             return stock_error(parser, message)  # not a fairseq command's parser
         message, _, listed = message.partition(" (choose from ")
-        if listed:  # an invalid choice: the closest of the choices, not all of them
+        if listed:  # an invalid choice: the closest of the choices, else all of them
             given = re.findall(r"invalid choice: '([^']*)'", message)
             wrong, candidates = (given or [""])[0], re.findall(r"'([^']*)'", listed)
         else:
@@ -631,9 +633,17 @@ def _short_parser_errors(stock_error: Callable[..., Any]) -> Callable[..., Any]:
             candidates = list(options)
         hints = [f"did you mean {close[0]}?" for word in wrong.split()
                  if (close := difflib.get_close_matches(word, candidates, n=1, cutoff=0.8))]
+        if not hints and not listed:  # the plugin's own options under another --task
+            hints = [f"{word} is an option of --task sharded_translation and "
+                     "sharded_translation_multi_simple_epoch" for word in wrong.split()
+                     if word in SHARDING_FLAGS]
         if launcher_rank() in (None, 0):  # one line from rank 0, under torchrun or srun
-            hint = (f" ({'; '.join(hints)})" if hints else f" ({parser.prog} --help lists them)"
-                    if listed or "unrecognized arguments" in message else "")
+            if hints:
+                hint = f" ({'; '.join(hints)})"
+            elif listed:  # argparse's own list: fairseq's --help lists no choice
+                hint = f" (choose from {listed}"
+            else:
+                hint = ""
             parser.exit(2, f"{parser.prog}: error: {message}{hint}\n")
         parser.exit(2)
 

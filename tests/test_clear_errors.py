@@ -113,6 +113,8 @@ def launches(
     """Every case's finished ``fairseq-train`` and its --save-dir, all run concurrently."""
     cases = dict(REFUSED, **REFUSED_WITH_THE_MODEL, one_rank=ONE_RANK, fairscale_shards=[],
                  nothing_to_write=NOTHING_TO_WRITE, typo=["--task", "sharded_translation", TYPO],
+                 plugin_option_elsewhere=["--task", "translation", "--keep-vocabulary-gathered"],
+                 no_close_choice=["--task", "sharded_translation", "--shard-strategy", "hsdp"],
                  too_long=["--task", "sharded_translation", "--max-tokens", "5"])
     save_dirs = {name: tmp_path_factory.mktemp("refused") / "save" for name in cases}
     save_dirs["fairscale_shards"].mkdir()
@@ -171,6 +173,23 @@ def test_a_mistyped_flag_is_one_line_naming_the_closest_option(
     for other in ("typo on rank 1", "typo on srun's rank 1"):
         other_rank, _ = launches[other]
         assert other_rank.returncode == 2 and "error:" not in other_rank.stderr, other
+
+
+@pytest.mark.parametrize(("case", "line"), [
+    ("plugin_option_elsewhere", "unrecognized arguments: --keep-vocabulary-gathered "
+     "(--keep-vocabulary-gathered is an option of --task sharded_translation and "
+     "sharded_translation_multi_simple_epoch)"),
+    ("no_close_choice", "argument --shard-strategy: invalid choice: 'hsdp' (choose from "
+     "'full', 'hybrid')")])
+def test_a_flag_the_parser_refuses_is_explained_where_help_would_not(
+    launches: dict[str, tuple[subprocess.CompletedProcess, Path]], case: str, line: str
+) -> None:
+    """It said "(fairseq-train --help lists them)", but fairseq's --help lists no option of a
+    task, and argparse's own list of the choices was dropped."""
+    completed, _ = launches[case]
+    assert completed.returncode == 2
+    assert [text for text in completed.stderr.splitlines() if "error:" in text] == [
+        f"fairseq-train: error: {line}"]
 
 
 @pytest.mark.parametrize("named", list(CHECKED))
@@ -381,7 +400,7 @@ def test_a_wrong_data_path_is_named_with_the_one_to_give(corpus: Path, tmp_path:
     def train(data: Path, *batch: str) -> list[str]:
         return [tool("fairseq-train"), str(data), "--cpu", "--user-dir", str(PLUGIN_DIR),
                 "--task", "sharded_translation", "--ddp-backend", "fully_sharded",
-                "--arch", "transformer", *batch, "--save-dir", str(tmp_path)]
+                "--arch", "transformer", *batch, "--save-dir", str(tmp_path / f"save-{data.name}")]
 
     tokens = ("--max-tokens", "512")
     finished = run_concurrently({"out": train(corpus.parent, *tokens),

@@ -84,9 +84,11 @@ def _lock(path: str) -> tuple[str, int | None]:
             descriptor = os.open(lock_file,
                                  os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as error:
-            return (f"cannot write into the save dir {path} ({lock_file}: "
-                    f"{describe_os_error(error)}): give a --save-dir (checkpoint.save_dir) "
-                    "this training can write to, or --no-save"), None
+            if os.path.islink(lock_file):
+                return (f"{lock_file} is a symbolic link, which the plugin does not follow "
+                        "(it writes its lock file): remove it"), None
+            return (f"cannot write to the save dir {path}: {describe_os_error(error)}; give a "
+                    "--save-dir (checkpoint.save_dir) that can be written, or --no-save"), None
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -136,8 +138,8 @@ def _write_probe(path: str) -> tuple[str, str]:
         with open(os.path.join(path, name), "x"):
             pass
     except OSError as error:
-        return (f"cannot write into the save dir {path}: {describe_os_error(error)}; give a "
-                "--save-dir (checkpoint.save_dir) with room to write, or --no-save"), ""
+        return (f"cannot write to the save dir {path}: {describe_os_error(error)}; give a "
+                "--save-dir (checkpoint.save_dir) that can be written, or --no-save"), ""
     return "", name
 
 

@@ -204,10 +204,19 @@ def sharding_options(task_cfg: Any) -> "ShardingConfig":
     return ShardingConfig(**values)
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# every sharding option as its flag (options of the plugin's tasks, not of fairseq's)
+SHARDING_FLAGS = frozenset(_flag(f.name) for f in fields(ShardingConfig)
+                           if not f.name.startswith("_"))
+
+
 def options_given(task_cfg: Any) -> list[str]:
     """The sharding options set to other than their defaults, as flags."""
     given, defaults = sharding_options(task_cfg), ShardingConfig()
-    return ["--" + option.name.replace("_", "-") for option in fields(ShardingConfig)
+    return [_flag(option.name) for option in fields(ShardingConfig)
             if not option.name.startswith("_")
             and getattr(given, option.name) != getattr(defaults, option.name)]
 
