@@ -169,6 +169,21 @@ def test_chunked_criterion_and_activation_checkpointing_match_stock_with_a_lower
     assert max(run.series("train_inner", "peak_mem_gb")) < 0.8 * plain_peak
 
 
+def test_the_chunked_loss_trains_in_a_root_only_plan_as_stock(
+    corpus: Path, tmp_path: Path, stock_tiny_run: RunResult
+) -> None:
+    """With --root-unit-only the output projection is no unit of its own: the fused loss runs
+    as the root's forward method (it met the root's resharded weight, a DTensor, in a
+    traceback at the first step)."""
+    args = training_args(corpus, tmp_path, UPDATES) + TINY + [
+        "--task", "sharded_translation", "--criterion", "chunked_label_smoothed_cross_entropy",
+        "--loss-chunk-tokens", "64", "--root-unit-only", "--no-save"]
+    run = run_training(args, nproc=2, plugin=True)
+    for key in ("loss", "gnorm"):
+        assert relative_difference(run.series("train_inner", key),
+                                   first(stock_tiny_run, key)) <= 1e-4
+
+
 def test_gradient_accumulation_over_update_freq_matches_stock(corpus: Path, tmp_path: Path) -> None:
     """--update-freq 2 (the NLLB recipes', and what the out-of-memory advice suggests):
     each micro-batch's gradients reduce-scatter into the shards and add up there, giving

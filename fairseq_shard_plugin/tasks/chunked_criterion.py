@@ -63,16 +63,32 @@ def refuse_unfit(model: Any) -> None:
         raise ShardingConfigError(problem)
 
 
-def output_projection(model: Any) -> torch.nn.Linear:
-    """The decoder's output projection, with the fused loss attached as an FSDP method (the
-    model checked at the first call, not at every step)."""
+def fused_loss(model: Any) -> Any:
+    """The fused loss of the decoder's output projection, run as an FSDP forward method of
+    the innermost sharding unit that holds the projection (the projection's own unit, or
+    the root under ``--root-unit-only``), so that its weight is gathered for the call; the
+    model is checked at the first call, not at every step."""
     projection = getattr(getattr(model, "decoder", None), "output_projection", None)
-    if not hasattr(projection, FUSED_METHOD):
+    if not hasattr(projection, _FUSED_CALL):
         refuse_unfit(model)
         setattr(projection, FUSED_METHOD, types.MethodType(_fused_loss, projection))
-        if isinstance(projection, FSDPModule):
-            register_fsdp_forward_method(projection, FUSED_METHOD)
-    return projection
+        unit = _innermost_unit(model, projection)
+        if unit is not None:
+            if unit is not projection:
+                setattr(unit, FUSED_METHOD, getattr(projection, FUSED_METHOD))
+            register_fsdp_forward_method(unit, FUSED_METHOD)
+        setattr(projection, _FUSED_CALL, getattr(unit or projection, FUSED_METHOD))
+    return getattr(projection, _FUSED_CALL)
+
+
+_FUSED_CALL = "_fairseq_shard_plugin_fused_loss"  # (a bound method, never a module)
+
+
+def _innermost_unit(model: Any, projection: torch.nn.Module) -> FSDPModule | None:
+    """The sharding unit whose parameters include the projection's (None: not sharded)."""
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)
+             and any(inner is projection for inner in module.modules())]
+    return units[-1] if units else None  # modules() lists a unit before the units inside it
 
 
 @register_criterion(
@@ -107,8 +123,7 @@ class ChunkedLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriteri
         if self.ignore_prefix_size > 0:
             features = features[:, self.ignore_prefix_size :, :]
             target = target[:, self.ignore_prefix_size :]
-        fused = getattr(output_projection(model), FUSED_METHOD)
-        loss, nll_loss, n_correct = fused(
+        loss, nll_loss, n_correct = fused_loss(model)(
             features, target, self.eps, self.padding_idx, self.loss_chunk_tokens
         )
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
