@@ -153,5 +153,38 @@ def test_optimizer_state_that_does_not_fit_is_refused_before_training(
     lines = resumed.stderr.strip().splitlines()
     assert lines[-1].startswith(f"fairseq-shard-plugin: error: {last}: its optimizer state "
                                 "does not fit this model's parameters ("), lines[-1]
-    assert lines[-1].endswith("add --reset-optimizer to start the optimizer afresh")
+    assert lines[-1].endswith(  # not --reset-optimizer: fairseq would restart at update 0
+        f"; to train on from its weights with a fresh optimizer, give --finetune-from-model "
+        f"{last} and a new --save-dir (--reset-optimizer would restart at update 0 and save "
+        "over this save dir's checkpoints)"), lines[-1]
     assert "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+
+
+@pytest.mark.parametrize(("changed", "said"), [
+    (("--share-all-embeddings", "--share-decoder-input-output-embed"),
+     "its model shares parameters differently from this one (--share-all-embeddings on in the "
+     "checkpoint, off now), so its optimizer state does not fit (exp_avg of parameter "),
+    (("--adam-betas", "--momentum"), "its optimizer state is --optimizer adam's, this run has "
+                                     "--optimizer nag; to train on from its weights")])
+def test_a_resume_with_other_ties_or_another_optimizer_names_the_flag(
+    runs: dict, tmp_path: Path, corpus: Path, changed: tuple[str, str], said: str
+) -> None:
+    """Another tie loaded the weights (same names and shapes) and blamed the optimizer state,
+    advising --reset-optimizer, which restarts at update 0 over the save dir's checkpoints;
+    another optimizer took Adam's state and failed at its first step (KeyError: 'momentum')."""
+    shutil.copyfile(runs["work"] / "fully_sharded" / "full" / "checkpoint1.pt",
+                    tmp_path / "checkpoint_last.pt")
+    before = (tmp_path / "checkpoint_last.pt").read_bytes()
+    args = _args(corpus, tmp_path, "fully_sharded")
+    at = args.index(changed[0])
+    if changed[0] == "--adam-betas":
+        args[at:at + 2] = ["--momentum", "0.9"]
+        args[args.index("adam")] = "nag"
+    else:
+        args[at] = changed[1]
+    done = run_command([tool("fairseq-train"), *args], env=rank_environment(), timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"fairseq-shard-plugin: error: {tmp_path / 'checkpoint_last.pt'}: {said}"), \
+        done.stderr[-2000:]
+    assert (tmp_path / "checkpoint_last.pt").read_bytes() == before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 from pathlib import Path
@@ -17,6 +18,24 @@ from fairseq_shard_plugin.errors import ShardPluginError
 
 class CheckpointLoadError(ShardPluginError, RuntimeError):
     """A checkpoint that cannot be loaded; the message names the file and the mismatch."""
+
+
+# the advice of every refusal of a checkpoint's optimizer state (the plugin's, stock fairseq's
+# and fairscale's layouts alike), which keeping_the_save_dir adapts to a resume
+RESET_OPTIMIZER = "add --reset-optimizer to start the optimizer afresh"
+
+
+def keeping_the_save_dir(message: str, filename: str, save_dir: str) -> str:
+    """``message`` where its advice to add --reset-optimizer concerns a checkpoint of the save
+    dir itself (a resume): fairseq would then restart at update 0 and save over that save
+    dir's checkpoints, so the advice says so and how to keep them."""
+    inside = os.path.dirname(os.path.abspath(filename)) == os.path.abspath(save_dir)
+    if RESET_OPTIMIZER not in message or not inside:
+        return message
+    return message.replace(RESET_OPTIMIZER, (
+        f"to train on from its weights with a fresh optimizer, give --finetune-from-model "
+        f"{filename} and a new --save-dir (--reset-optimizer would restart at update 0 and "
+        "save over this save dir's checkpoints)"))
 
 
 class CheckpointWriteError(WriteError):

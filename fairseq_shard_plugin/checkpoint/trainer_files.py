@@ -13,6 +13,7 @@ from fairseq import utils
 
 from fairseq_shard_plugin.checkpoint.atomic_files import remove_partial_files, write_atomically
 from fairseq_shard_plugin.checkpoint.errors import (
+    RESET_OPTIMIZER,
     CheckpointLoadError,
     describe_shape_mismatch,
     state_dict_shapes,
@@ -151,6 +152,8 @@ def trainer_state_loader(
                 f"of those updates: to train from its weights, give --finetune-from-model "
                 f"{filename} (or --reset-optimizer); to resume, restore a training "
                 "checkpoint (fairseq-shard-verify --newest SAVE_DIR names one)")
+        if not reset_optimizer:
+            _refuse_another_optimizer(filename, state, trainer.cfg.optimizer)
         problem = language_order_problem(
             stored_languages(state), getattr(getattr(trainer, "task", None), "langs", None))
         if problem:  # a multilingual checkpoint resumed or fine-tuned with other languages
@@ -171,7 +174,8 @@ def trainer_state_loader(
         if not reset_optimizer and trainer.settings.engine == "fsdp2":
             # every optimizer it takes keeps per-element state of its parameter's full
             # shape (the fairscale engine's flat parameters are laid out differently)
-            _refuse_misfit_optimizer_state(filename, state, trainer.optimizer.params)
+            _refuse_misfit_optimizer_state(filename, state, trainer.optimizer.params,
+                                           trainer.cfg.model)
         return state
 
     def load_naming_the_model_first(filename: str, state: dict[str, Any]) -> dict[str, Any]:
@@ -213,15 +217,62 @@ def _whole_fairscale_set(trainer: Any, reset_optimizer: bool, filename: str,
 
 
 def _refuse_misfit_optimizer_state(filename: str, state: dict[str, Any],
-                                   params: list[torch.Tensor]) -> None:
+                                   params: list[torch.Tensor], model_cfg: Any) -> None:
     """Optimizer state of other shapes (another model's, a file edited by hand) fails only at
-    the first step, in a traceback on every rank: refuse it before anything is loaded."""
+    the first step, in a traceback on every rank: refuse it before anything is loaded,
+    naming the tie flags where they differ (the weights load either way: same names and
+    shapes, tied or not)."""
     problem = layout_problem(state.get("last_optimizer_state") or {},
                              [param.shape for param in params])
-    if problem:
+    if not problem:
+        return
+    ties = _tie_differences(state, model_cfg)
+    if ties:
         raise CheckpointLoadError(
-            f"{filename}: its optimizer state does not fit this model's parameters "
-            f"({problem}); add --reset-optimizer to start the optimizer afresh")
+            f"{filename}: its model shares parameters differently from this one "
+            f"({'; '.join(ties)}), so its optimizer state does not fit ({problem}): resume "
+            "with the saved run's flags, or train this model from its weights with "
+            f"--finetune-from-model {filename} and a new --save-dir")
+    raise CheckpointLoadError(
+        f"{filename}: its optimizer state does not fit this model's parameters "
+        f"({problem}); {RESET_OPTIMIZER}")
+
+
+def _refuse_another_optimizer(filename: str, state: dict[str, Any], optimizer_cfg: Any) -> None:
+    """The state of another --optimizer (Adam's moments for NAG) failed at the first step, in
+    the other optimizer's KeyError: the saved config names the optimizer that wrote it."""
+    saved = (_entry(_entry(state.get("cfg"), "optimizer"), "_name")
+             or _entry(state.get("args"), "optimizer"))
+    now = _entry(optimizer_cfg, "_name")
+    if "last_optimizer_state" in state and saved and now and saved != now:
+        raise CheckpointLoadError(
+            f"{filename}: its optimizer state is --optimizer {saved}'s, this run has "
+            f"--optimizer {now}; {RESET_OPTIMIZER}")
+
+
+_TIE_FLAGS = ("share_all_embeddings", "share_decoder_input_output_embed",
+              "share_input_output_embed")
+
+
+def _tie_differences(state: dict[str, Any], model_cfg: Any) -> list[str]:
+    """The tie flags the checkpoint's model config and ``model_cfg`` set differently."""
+    saved = _entry(state.get("cfg"), "model") or state.get("args")
+
+    def on(value: Any) -> str:
+        return "on" if value else "off"
+
+    return [f"--{flag.replace('_', '-')} {on(before)} in the checkpoint, {on(now)} now"
+            for flag in _TIE_FLAGS
+            if bool(before := _entry(saved, flag)) != bool(now := getattr(model_cfg, flag, None))]
+
+
+def _entry(config: Any, key: str) -> Any:
+    """``config[key]`` of a mapping or config, ``config.key`` of a namespace, else None."""
+    if config is None:
+        return None
+    if hasattr(config, "get"):
+        return config.get(key)
+    return getattr(config, key, None)
 
 
 def _load_shards(

@@ -26,11 +26,11 @@ from fairseq_shard_plugin.checkpoint.errors import (
     CheckpointLoadError,
     describe_checkpoint_problem,
     first_cause,
+    keeping_the_save_dir,
     state_dict_shapes,
 )
 from fairseq_shard_plugin.checkpoint.fairscale_sets import first_rank_file
 from fairseq_shard_plugin.checkpoint.portable import languages_as_lists, with_plain_config
-from fairseq_shard_plugin.checkpoint.sharded import ShardedCheckpointError
 from fairseq_shard_plugin.checkpoint.space import full_state_bytes, space_report
 from fairseq_shard_plugin.checkpoint.trainer_files import (
     after_save,
@@ -381,6 +381,7 @@ class ShardedTrainer(Trainer):
             logger.info(f"{filename} does not exist: continuing from {stock_shards}, written "
                         "by fairseq's own --ddp-backend fully_sharded")
             filename = stock_shards
+        index = None
         try:
             index = read_sharded_index(filename)
             if index is None:
@@ -388,19 +389,18 @@ class ShardedTrainer(Trainer):
             with implicit_replication(), loading_full_tensors_into_shards(self._model), \
                     loading_into_trainer(trainer_state_loader(self, reset_optimizer, record_ranks)):
                 extra_state = super().load_checkpoint(filename, *args, **kwargs)
-        except ShardedCheckpointError as error:
-            raise CheckpointLoadError(str(error)) from error
-        except CheckpointLoadError:
-            raise
-        except ShardPluginError as error:  # the plugin's own one line (an unsafe shard file)
-            raise CheckpointLoadError(str(error)) from error
         except Exception as error:
-            if index is not None:
-                raise CheckpointLoadError(
-                    f"{filename}: could not be loaded: {first_cause(error)}") from error
-            raise CheckpointLoadError(
-                describe_checkpoint_problem(filename, state_dict_shapes(self._model), error)
-            ) from error
+            if isinstance(error, ShardPluginError):  # the plugin's own one line
+                message = str(error)
+            elif index is not None:
+                message = f"{filename}: could not be loaded: {first_cause(error)}"
+            else:
+                message = describe_checkpoint_problem(filename, state_dict_shapes(self._model),
+                                                      error)
+            advised = keeping_the_save_dir(message, filename, self.cfg.checkpoint.save_dir)
+            if advised is message and isinstance(error, CheckpointLoadError):
+                raise
+            raise CheckpointLoadError(advised) from error
         self.engine.shard_loaded_state(self.optimizer.optimizer)
         release_checkpoint_pages(self)
         checkpoint_cfg = self.cfg.checkpoint
