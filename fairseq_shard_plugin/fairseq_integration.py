@@ -675,12 +675,22 @@ def _saving_on_signal(stock_validate_and_save: Callable[..., Any]) -> Callable[.
             logger.warning(f"{name}: stopping after update {update}, not saving (--no-save)")
         else:
             logger.info(f"{name}: saving a checkpoint after update {update}, then stopping "
-                        f"(exit code {128 + signum}); the same command resumes from it")
+                        f"(exit code {128 + signum}); {_how_to_resume(cfg.checkpoint)}")
             checkpoint_utils.save_checkpoint(config_for_a_signal_save(cfg.checkpoint),
                                              trainer, epoch_itr, None)
         return [None], True
 
     return _marked(validate_and_save, stock_validate_and_save)
+
+
+def _how_to_resume(checkpoint_cfg: Any) -> str:
+    """How to continue from the save a signal made: an explicit --restore-file (a fine-tune
+    with --reset-* flags) would load that file again, not checkpoint_last.pt."""
+    if checkpoint_cfg.restore_file == "checkpoint_last.pt":
+        return "the same command resumes from it"
+    return (f"resume from it with the same command without --restore-file "
+            f"{checkpoint_cfg.restore_file} and its --reset-* flags (which would start from "
+            "that file again; --finetune-from-model instead starts from it only once)")
 
 
 def _train_modules() -> list[Any]:

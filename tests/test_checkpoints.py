@@ -902,3 +902,17 @@ def test_unworkable_checkpoint_options_are_refused_with_the_flag_named(
                          "--cpu", *flags)
     with pytest.raises(ShardingConfigError, match=named):
         check_sharded_config(cfg)
+
+
+def test_the_signal_line_says_how_to_resume_a_run_that_named_its_restore_file() -> None:
+    """A fine-tune started with --restore-file FILE --reset-* loads FILE at every launch:
+    "the same command resumes from it" sent requeued jobs back to the released model."""
+    from types import SimpleNamespace
+
+    from fairseq_shard_plugin.fairseq_integration import _how_to_resume
+
+    assert _how_to_resume(SimpleNamespace(restore_file="checkpoint_last.pt")) == (
+        "the same command resumes from it")
+    advice = _how_to_resume(SimpleNamespace(restore_file="released.pt"))
+    assert advice.startswith("resume from it with the same command without --restore-file "
+                             "released.pt and its --reset-* flags")

@@ -73,6 +73,10 @@ CHECKED = {
         "--finetune-from-model", str(Path(__file__).parent)],
     "--finetune-from-model /nowhere/nllb.pt: no such file: give the path of an existing "
     "checkpoint file": ["--finetune-from-model", "/nowhere/nllb.pt"],
+    # fairseq's ValueError once the model was built, in a traceback
+    "--finetune-from-model resets the optimizer, learning rate schedule, meters and data "
+    "position itself: remove --reset-optimizer, --reset-meters (checkpoint.reset_*)": [
+        "--finetune-from-model", str(Path(__file__)), "--reset-optimizer", "--reset-meters"],
     "--memory-efficient-bf16 keeps the shards in 16 bits, which only --optimizer adam": [
         "--memory-efficient-bf16", "--optimizer", "sgd"],
     "--loss-chunk-tokens 0: give at least 1": [

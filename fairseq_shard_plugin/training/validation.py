@@ -195,6 +195,13 @@ def _check_restore_file(checkpoint_cfg: Any) -> None:
                                "an existing checkpoint, or leave --restore-file out to "
                                "resume from the save dir's checkpoint_last.pt")
     finetune = getattr(checkpoint_cfg, "finetune_from_model", None)
+    resets = ["--reset-" + flag.replace("_", "-")
+              for flag in ("optimizer", "lr_scheduler", "meters", "dataloader")
+              if getattr(checkpoint_cfg, f"reset_{flag}", False)]
+    if finetune and resets:  # fairseq's ValueError, in a traceback once the model is built
+        raise ShardingConfigError(
+            f"--finetune-from-model resets the optimizer, learning rate schedule, meters and "
+            f"data position itself: remove {', '.join(resets)} (checkpoint.reset_*)")
     last = os.path.join(checkpoint_cfg.save_dir, f"checkpoint_last{suffix}.pt")
     if finetune and "://" not in finetune and not os.path.exists(last):  # fairseq reads it
         _check_checkpoint_file("--finetune-from-model", finetune,
