@@ -123,6 +123,15 @@ def test_without_a_compiler_the_step_runs_in_torch_and_says_so_once(tmp_path: Pa
     assert len(warnings) == 1 and "install gcc" in warnings[0]
 
 
+def test_a_compiler_command_with_arguments_builds_the_library(tmp_path: Path) -> None:
+    """CC="ccache gcc" (make's convention) was looked up as one program, reported missing,
+    and the step ran in torch."""
+    done = _step_in_a_fresh_process(tmp_path, CC="env LC_ALL=C cc")
+    assert "updated -0.0010" in done.stdout
+    assert "C compiler" not in done.stderr and "could not build" not in done.stderr
+    assert len(list((tmp_path / "cache" / "fairseq_shard_plugin").glob("*.so"))) == 1
+
+
 def test_a_cache_folder_that_is_a_symlink_is_never_used(tmp_path: Path) -> None:
     """Someone else's folder could hold a library that is not ours: not loaded, not
     written; one line, and the step runs in torch."""

@@ -22,6 +22,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import stat
 import subprocess
@@ -64,11 +65,18 @@ def native_library() -> ctypes.CDLL | None:
     """The compiled step, built on first use; None where it cannot be (said once)."""
     if os.environ.get(SWITCH, "1") == "0":
         return None
-    compiler = shutil.which(os.environ.get("CC") or "cc")
-    if compiler is None:
-        logger.warning("no C compiler (cc) on PATH: the host Adam step runs in torch, in line "
-                       "(16-bit state several times slower); install gcc to build the fast one")
+    given = os.environ.get("CC") or "cc"
+    try:  # a command with its own arguments, as make takes it (CC="ccache gcc")
+        words = shlex.split(given)
+    except ValueError:
+        words = []
+    found = shutil.which(words[0]) if words else None
+    if found is None:
+        logger.warning(f"no C compiler ({'CC=' + given if 'CC' in os.environ else 'cc'}) on "
+                       "PATH: the host Adam step runs in torch, in line (16-bit state several "
+                       "times slower); install gcc (or set CC) to build the fast one")
         return None
+    compiler = [found, *words[1:]]
     try:
         path = _built_library(compiler)
         library = ctypes.CDLL(str(path))
@@ -83,9 +91,10 @@ def native_library() -> ctypes.CDLL | None:
     return library
 
 
-def _built_library(compiler: str) -> Path:
-    """The cached library for this source, compiler and CPU, compiled if missing."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+def _built_library(compiler: list[str]) -> Path:
+    """The cached library for this source, compiler (a command) and CPU, compiled if
+    missing."""
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
                              check=True).stdout
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
@@ -98,7 +107,7 @@ def _built_library(compiler: str) -> Path:
     handle, partial = tempfile.mkstemp(dir=directory, prefix=".native_adam-", suffix=".so")
     os.close(handle)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True,
+        subprocess.run([*compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True,
                        text=True, check=True)
         os.replace(partial, path)  # ranks building at once each replace a whole file
     finally:
