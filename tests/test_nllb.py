@@ -195,6 +195,29 @@ def test_a_sampling_temperature_of_zero_is_named_before_training(
         tasks.setup_task(cfg.task)
 
 
+def test_sampling_weights_without_a_direction_are_named_not_the_data(
+    multilingual: Path, tmp_path: Path
+) -> None:
+    """A weight keyed by the direction alone (not main:SRC-TGT) was reported as missing
+    training data, with advice to binarise data that is there."""
+    from fairseq import tasks
+
+    register()
+    args = nllb_sweep_flags(multilingual, tmp_path)
+    args[args.index("translation_multi_simple_epoch")] = "sharded_translation_multi_simple_epoch"
+    pairs = args[args.index("--lang-pairs") + 1].split(",")
+    weights = {pair: 1 for pair in pairs}  # fairseq's keys are main:SRC-TGT
+    args[args.index("--sampling-method") + 1] = "uniform"
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(
+        options.get_training_parser(), [*args, "--sampling-weights", str(weights)]))
+    task = tasks.setup_task(cfg.task)
+    with pytest.raises(MultilingualOptionError) as raised:
+        task.load_dataset("train")
+    assert str(raised.value).startswith(
+        "--sampling-weights (task.sampling_weights) gives no weight for 'main:")
+    assert "binarise" not in str(raised.value)
+
+
 def test_a_multilingual_key_left_missing_is_named() -> None:
     cfg = OmegaConf.structured(
         ShardedMultilingualConfig(seed=1, dataset_impl=None, train_subset="train",

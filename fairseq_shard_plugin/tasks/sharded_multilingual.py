@@ -10,6 +10,7 @@ the language tokens) and ``--langs langs.txt`` with NLLB's one-line, comma-separ
 
 import logging
 import re
+from pathlib import Path
 from typing import Any
 
 from fairseq.file_io import PathManager
@@ -135,10 +136,24 @@ class ShardedTranslationMultiSimpleEpochTask(MatchingTheCheckpoint,
             if not (isinstance(key, str) and ":" in key):
                 raise
             direction = key.split(":", 1)[1]
+            if self._has_data(split, direction):  # the data is there: the weights lack it
+                if not getattr(self.args, "sampling_weights", None):
+                    raise
+                raise MultilingualOptionError(
+                    f"--sampling-weights (task.sampling_weights) gives no weight for "
+                    f"{key!r}: name every direction trained as DATA_SOURCE:SRC-TGT, as "
+                    f"{key!r}") from None
             raise MultilingualOptionError(
                 f"no {split} data for {direction} in {self.args.data} (its {split}.{direction}"
                 ".* files, or the reverse direction's): remove it from --lang-pairs, or "
                 "binarise it") from None
+
+    def _has_data(self, split: str, direction: str) -> bool:
+        """Whether a data directory holds ``split`` files of ``direction`` or its reverse."""
+        source, _, target = direction.partition("-")
+        names = (f"{split}.{source}-{target}.*", f"{split}.{target}-{source}.*")
+        return any(any(Path(folder).glob(name)) for folder in str(self.args.data).split(":")
+                   for name in names)
 
     def __init__(self, args: Any, langs: list[str], dicts: Any, training: bool) -> None:
         # The parent's setup_task has loaded each dictionary and appended the language
