@@ -113,6 +113,26 @@ def stored_languages(state: Any) -> Any:
     return _languages_of(_config_section(state, "task"))
 
 
+def stored_language_tokens(state: Any) -> tuple[Any, bool] | None:
+    """The checkpoint's ``--encoder-langtok`` and ``--decoder-langtok`` (``cfg.task``), or
+    None where its task config has neither (another task)."""
+    section = _config_section(state, "task")
+
+    def value(key: str) -> Any:
+        return section.get(key) if isinstance(section, dict) else getattr(section, key, None)
+
+    if section is None or not any(_has(section, key) for key in LANGUAGE_TOKEN_OPTIONS):
+        return None
+    return value("encoder_langtok"), bool(value("decoder_langtok"))
+
+
+LANGUAGE_TOKEN_OPTIONS = ("encoder_langtok", "decoder_langtok")
+
+
+def _has(section: Any, key: str) -> bool:
+    return key in section if isinstance(section, dict) else hasattr(section, key)
+
+
 def _codes_in(text: str, one_a_line: bool) -> list[str] | None:
     """The language codes of a langs file's ``text``: NLLB's comma-separated line, or
     (``one_a_line``, a --lang-dict file as fairseq reads it) one code a line; None unless

@@ -80,6 +80,22 @@ def add_prefix_tags(dicts: Any) -> None:
             dictionary.add_symbol(tag)
 
 
+def _check_language_tokens(path: str, trained: tuple[Any, bool] | None, args: Any) -> None:
+    """A model trained with language tokens reads other sentences without them (or with
+    the target's in place of the source's): it translates, differently, without a word."""
+    now = (getattr(args, "encoder_langtok", None), bool(getattr(args, "decoder_langtok", False)))
+    if trained is None or trained == now:
+        return
+
+    def flags(tokens: tuple[Any, bool]) -> str:
+        encoder = f"--encoder-langtok {tokens[0]}" if tokens[0] else "no --encoder-langtok"
+        return f"{encoder}, {'' if tokens[1] else 'no '}--decoder-langtok"
+
+    raise MultilingualOptionError(
+        f"{path} was trained with {flags(trained)}; this run has {flags(now)}: give the "
+        "training's language-token flags (task.encoder_langtok, task.decoder_langtok)")
+
+
 @register_task(TASK_NAME, dataclass=ShardedMultilingualConfig)
 class ShardedTranslationMultiSimpleEpochTask(MatchingTheCheckpoint,
                                              TranslationMultiSimpleEpochTask):
@@ -125,6 +141,8 @@ class ShardedTranslationMultiSimpleEpochTask(MatchingTheCheckpoint,
                 stored if stored is not None else getattr(cfg, "langs", None), self.langs)
             if problem:
                 raise MultilingualOptionError(problem)
+            if read is not None:
+                _check_language_tokens(read.path, read.language_tokens, self.args)
         return super().build_model(cfg, from_checkpoint)
 
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False,

@@ -28,21 +28,26 @@ _checkpoint_read: list[CheckpointRead | None] = [None]
 class CheckpointRead:
     """What a task checks of the checkpoint fairseq has just read (hook 6), as it builds
     that checkpoint's model next: its ``cfg.task.langs`` (a Hydra run's model config holds
-    none) and the shapes of its model's tensors."""
+    none), the shapes of its model's tensors and its language-token options."""
 
     path: str
     languages: Any
     shapes: dict[str, tuple[int, ...]]
+    language_tokens: tuple[Any, bool] | None = None  # --encoder-langtok, --decoder-langtok
 
 
 def note_checkpoint_read(path: str, state: Any) -> None:
     """Note the checkpoint ``state`` fairseq read from ``path`` (hook 6)."""
     from fairseq_shard_plugin.checkpoint.errors import tensor_shapes
-    from fairseq_shard_plugin.checkpoint.portable import stored_languages
+    from fairseq_shard_plugin.checkpoint.portable import (
+        stored_language_tokens,
+        stored_languages,
+    )
 
     model = state.get("model") if isinstance(state, dict) else None
     shapes = tensor_shapes(model) if isinstance(model, dict) else {}
-    _checkpoint_read[0] = CheckpointRead(str(path), stored_languages(state), shapes)
+    _checkpoint_read[0] = CheckpointRead(str(path), stored_languages(state), shapes,
+                                         stored_language_tokens(state))
 
 
 def checkpoint_read() -> CheckpointRead | None:
