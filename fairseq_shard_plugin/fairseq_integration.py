@@ -90,7 +90,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    ``torch.load(weights_only=True)`` reads the file without the plugin:
    ``portable.with_plain_config``). Outside the sharded trainer (which names it with the
    model at hand), a file it cannot read (neither torch format, a refused pickle, a
-   structure no checkpoint has) is one line, not a traceback of ``fairseq-generate``.
+   structure no checkpoint has) is one line, not a traceback of ``fairseq-generate``, and
+   a full checkpoint's CRC-32s are checked first, as the trainer checks them (a changed byte
+   translated differently without a word; a truncated file is named).
    Other loads pass through unchanged.
    fairseq 0.12 reads the file through an open file object (``torch.load(f)``), which
    copies the whole checkpoint into each process's own memory: N ranks of a host held N
@@ -533,6 +535,30 @@ def _checkpoints_mapped() -> Iterator[None]:
         checkpoint_utils.torch = torch
 
 
+def _refuse_a_damaged_file(path: str) -> None:
+    """A full checkpoint read outside the sharded trainer (generation, from_pretrained,
+    another backend) is CRC-checked as the trainer checks it: a changed byte translated
+    differently without a word, and a truncated file ended in torch's traceback."""
+    from pathlib import Path
+
+    from fairseq_shard_plugin.checkpoint.integrity import (
+        corruption_message,
+        damaged_zip_entries,
+        is_truncated_zip,
+    )
+
+    local = Path(path)
+    if "://" in path or not local.is_file():
+        return
+    again = "copy it again from where it was saved (fairseq-shard-verify checks a file)"
+    if is_truncated_zip(local):
+        raise CheckpointLoadError(f"{path}: truncated checkpoint ({local.stat().st_size} bytes: "
+                                  f"its end, the zip directory, is missing); {again}")
+    damaged = damaged_zip_entries(local)
+    if damaged:
+        raise CheckpointLoadError(corruption_message(path, damaged, again))
+
+
 def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., Any]:
     def load_checkpoint_to_cpu(path: str, arg_overrides: Any = None,
                                load_on_all_ranks: bool = False, **kwargs: Any) -> Any:
@@ -546,6 +572,8 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
         )
         from fairseq_shard_plugin.checkpoint.sharded import is_sharded_index
 
+        if active_trainer_loader() is None:  # the sharded trainer checks on all ranks
+            _refuse_a_damaged_file(path)
         try:
             with _checkpoints_mapped():
                 state = stock_load(path, arg_overrides, load_on_all_ranks,

@@ -11,12 +11,14 @@ and then 1 rank.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import zipfile
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
@@ -916,3 +918,30 @@ def test_the_signal_line_says_how_to_resume_a_run_that_named_its_restore_file() 
     advice = _how_to_resume(SimpleNamespace(restore_file="released.pt"))
     assert advice.startswith("resume from it with the same command without --restore-file "
                              "released.pt and its --reset-* flags")
+
+
+def test_fairseq_generate_names_a_damaged_or_truncated_checkpoint_in_one_line(
+    corpus: Path, tmp_path: Path, sharded_tiny_run: tuple[RunResult, Path]
+) -> None:
+    """Outside the trainer a changed byte in a tensor translated differently without a word
+    (rc 0), and a truncated file ended in torch's traceback: the file's CRC-32s are checked
+    as the trainer checks them."""
+    source = (sharded_tiny_run[1] / "checkpoint_last.pt").read_bytes()
+    damaged, truncated = tmp_path / "damaged.pt", tmp_path / "truncated.pt"
+    with zipfile.ZipFile(io.BytesIO(source)) as archive:
+        entry = next(info for info in archive.infolist() if "/data/" in info.filename
+                     and info.file_size > 1000)
+    at = entry.header_offset + 30 + len(entry.filename) + len(entry.extra) + 100
+    damaged.write_bytes(source[:at] + bytes([source[at] ^ 0x01]) + source[at + 1:])
+    truncated.write_bytes(source[: len(source) // 2])
+    generated = run_concurrently({name: generate_command(corpus, path)
+                                  for name, path in (("damaged", damaged),
+                                                     ("truncated", truncated))})
+    for name, said in (("damaged", f"{damaged}: corrupted checkpoint: {entry.filename} fails "
+                                   "its CRC-32 check"),
+                       ("truncated", f"{truncated}: truncated checkpoint ({len(source) // 2} "
+                                     "bytes: its end, the zip directory, is missing)")):
+        done = generated[name]
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert done.stderr.strip().splitlines()[-1].startswith(
+            f"fairseq-shard-plugin: error: {said}"), done.stderr[-1000:]

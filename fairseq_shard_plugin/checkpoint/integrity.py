@@ -96,6 +96,13 @@ def _entry_problem(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> str | Non
     return None
 
 
+def is_truncated_zip(path: Path) -> bool:
+    """Whether ``path`` begins as a zip file (torch.save's format) but has no zip directory,
+    which is written last: the end of the file is missing."""
+    with open(path, "rb") as stream:
+        return stream.read(4) == b"PK\x03\x04" and not zipfile.is_zipfile(path)
+
+
 def damaged_zip_entries(path: Path, collective: bool = False) -> list[str]:
     """Entries of a ``torch.save`` zip whose CRC-32 does not match their bytes, or that
     cannot be read back at all (encrypted, an unknown compression method: torch.save
@@ -165,12 +172,14 @@ def mismatched_shard_files(
     return _everyones(bad, collective)
 
 
-def corruption_message(checkpoint: str | Path, damaged: list[str]) -> str:
-    """One line naming the checkpoint and its first damaged part (zip entry or shard file)."""
+def corruption_message(checkpoint: str | Path, damaged: list[str],
+                       advice: str = RESUME_HINT) -> str:
+    """One line naming the checkpoint and its first damaged part (zip entry or shard file),
+    ending with ``advice``."""
     first = damaged[0]
     more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
     problem = "fails its CRC-32 check (its bytes changed after it was saved)"
     if isinstance(first, UnreadableEntry):
         problem = (f"cannot be read back ({first.reason}; torch.save writes no such entry: "
                    "the file was changed after it was saved)")
-    return f"{checkpoint}: corrupted checkpoint: {first}{more} {problem}; {RESUME_HINT}"
+    return f"{checkpoint}: corrupted checkpoint: {first}{more} {problem}; {advice}"
