@@ -16,11 +16,14 @@ Without it, training still works (the trainer joins torchrun's process group its
 ``task.export_consolidated`` is refused and bad options stop with a traceback.
 """
 
+import difflib
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError, ValidationError
+from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, ValidationError
+
+from fairseq_shard_plugin.checkpoint.portable import PLUGIN_KEYS
 
 
 class LoadShardPlugin(Callback):
@@ -31,7 +34,7 @@ class LoadShardPlugin(Callback):
         import fairseq_shard_plugin
 
         fairseq_shard_plugin.activate_or_exit()
-        problem = first_unresolvable(config) or invalid_task_value(config)
+        problem = first_unresolvable(config) or invalid_component_value(config)
         if problem:
             raise SystemExit(f"fairseq-shard-plugin: error: {problem}")
 
@@ -53,23 +56,51 @@ def first_unresolvable(config: DictConfig) -> str | None:
     return None
 
 
-def invalid_task_value(config: DictConfig) -> str | None:
-    """One line for a ``task.*`` value of the wrong type or outside its choices (for
-    example ``task.layers_per_unit=abc``, ``task.shard_engine=fsdp3``), checked against
-    the task's registered dataclass; fairseq would stop on it with omegaconf's traceback
-    when it merges the task's defaults."""
+def invalid_component_value(config: DictConfig) -> str | None:
+    """One line for the first ``task.*``, ``criterion.*``, ``optimizer.*`` or
+    ``lr_scheduler.*`` key its component's registered dataclass does not have (a typo, as
+    ``+task.shard_enigne=fsdp2`` or in a copied YAML, with the closest key named), or whose
+    value has the wrong type or lies outside its choices (``task.layers_per_unit=abc``,
+    ``task.shard_engine=fsdp3``), interpolations resolved first; fairseq would stop on it
+    with omegaconf's traceback when it merges the defaults."""
+    for section, registry in _registries():
+        problem = _invalid_value(config, section, registry)
+        if problem:
+            return problem
+    return None
+
+
+def _registries() -> list[tuple[str, dict[str, Any]]]:
+    from fairseq.criterions import CRITERION_DATACLASS_REGISTRY
+    from fairseq.optim import OPTIMIZER_DATACLASS_REGISTRY
+    from fairseq.optim.lr_scheduler import LR_SCHEDULER_DATACLASS_REGISTRY
     from fairseq.tasks import TASK_DATACLASS_REGISTRY
 
-    task = config.get("task")
-    name = task.get("_name") if isinstance(task, DictConfig) else None
-    if name not in TASK_DATACLASS_REGISTRY:
+    return [("task", TASK_DATACLASS_REGISTRY), ("criterion", CRITERION_DATACLASS_REGISTRY),
+            ("optimizer", OPTIMIZER_DATACLASS_REGISTRY),
+            ("lr_scheduler", LR_SCHEDULER_DATACLASS_REGISTRY)]
+
+
+def _invalid_value(config: DictConfig, section: str, registry: dict[str, Any]) -> str | None:
+    node = config.get(section)
+    name = node.get("_name") if isinstance(node, DictConfig) else None
+    if name not in registry:
         return None
-    given = OmegaConf.to_container(task, resolve=False)
+    given = OmegaConf.to_container(node, resolve=True)  # (first_unresolvable ran first)
     given.pop("_name", None)
+    fields = OmegaConf.structured(registry[name])
     try:
-        OmegaConf.merge(OmegaConf.structured(TASK_DATACLASS_REGISTRY[name]), given)
+        OmegaConf.merge(fields, given)
+    except ConfigKeyError as error:
+        key = str(getattr(error, "key", "") or "")
+        close = difflib.get_close_matches(key, [str(k) for k in fields], n=1, cutoff=0.7)
+        hint = (f": did you mean {section}.{close[0]}?" if close
+                else f": an option of the plugin's tasks, not of {name} (task._name="
+                "sharded_translation or sharded_translation_multi_simple_epoch carries it)"
+                if section == "task" and key in PLUGIN_KEYS else "")
+        return f"{section}.{key}: not an option of {section} {name}{hint}"
     except ValidationError as error:
-        where = f"task.{error.key}" if getattr(error, "key", None) else "task"
+        where = f"{section}.{error.key}" if getattr(error, "key", None) else section
         reason = str(error).strip().splitlines()[0]
         return f"{where}: {reason}"
     except Exception:  # anything else is fairseq's (and Hydra's) to report

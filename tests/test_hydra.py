@@ -194,7 +194,18 @@ def test_every_plugin_option_is_listed_in_the_configs(config: str) -> None:
     ("task.shard_engine=deepspeed",
      "task.shard_engine: Invalid value 'deepspeed', expected one of [fsdp2, fairscale]"),
     ("task.layers_per_unit=abc",
-     "task.layers_per_unit: Value 'abc' of type 'str' could not be converted to Integer")])
+     "task.layers_per_unit: Value 'abc' of type 'str' could not be converted to Integer"),
+    # omegaconf's ConfigKeyError traceback (a typo with +, or in a copied YAML)
+    ("+task.shard_enigne=fsdp2",
+     "task.shard_enigne: not an option of task sharded_translation: did you mean "
+     "task.shard_engine?"),
+    ("criterion.loss_chunk_tokens=abc",  # the callback checked task.* only
+     "criterion.loss_chunk_tokens: Value 'abc' of type 'str' could not be converted to "
+     "Integer"),
+    ("task._name=translation",  # stock's task to compare, the config's plugin keys kept
+     "task.shard_engine: not an option of task translation: an option of the plugin's "
+     "tasks, not of translation (task._name=sharded_translation or "
+     "sharded_translation_multi_simple_epoch carries it)")])
 def test_a_bad_task_value_from_a_hydra_override_is_one_line(
     corpus: Path, tmp_path: Path, override: str, line: str
 ) -> None:
