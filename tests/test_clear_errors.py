@@ -264,7 +264,7 @@ def test_plugin_options_without_effect_in_the_run_are_named(
     cfg = sharded_config(corpus, "--cpu", "--task", "sharded_translation", "--optimizer",
                          "adam", "--reduce-in-16-bit", "--shard-group-size", "3",
                          "--root-unit-only", "--layers-per-unit", "2",
-                         "--keep-vocabulary-gathered")
+                         "--keep-vocabulary-gathered", "--no-host-step-overlap")
     with caplog.at_level(logging.WARNING):
         _log_flags_taken_over(cfg, ShardingSettings.from_config(cfg, 1, False))
     assert [record.getMessage() for record in caplog.records
@@ -276,7 +276,9 @@ def test_plugin_options_without_effect_in_the_run_are_named(
         "--layers-per-unit 2 has no effect with --root-unit-only (there are no layer units): "
         "remove one of them",
         "--keep-vocabulary-gathered has no effect with --root-unit-only (there is no "
-        "vocabulary unit: the root holds the vocabulary): remove one of them"]
+        "vocabulary unit: the root holds the vocabulary): remove one of them",
+        "--no-host-step-overlap has no effect without --cpu-offload (the optimizer steps on "
+        "the device): remove it"]
 
 
 def test_use_sharded_state_is_taken_as_the_sharded_format(corpus: Path) -> None:

@@ -133,6 +133,9 @@ def _log_flags_taken_over(cfg: Any, settings: ShardingSettings) -> None:
             warn_once(f"--{flag.replace('_', '-')} has no effect with --root-unit-only (there "
                       "is no vocabulary unit: the root holds the vocabulary): remove one of "
                       "them")
+    if options.no_host_step_overlap and not settings.offload:
+        warn_once("--no-host-step-overlap has no effect without --cpu-offload (the optimizer "
+                  "steps on the device): remove it")
     if not settings.reshard.layers:
         logger.info("--no-reshard-after-forward: every unit stays gathered from its forward "
                     "to its backward (no all-gathers in backward; the whole model's "
