@@ -218,7 +218,7 @@ from fairseq_shard_plugin.sharding.options import (
     take_use_sharded_state,
 )
 from fairseq_shard_plugin.sharding.precision import untie_bf16_from_tpu
-from fairseq_shard_plugin.sharding.settings import launcher_rank
+from fairseq_shard_plugin.sharding.settings import launcher_rank, warn_once
 from fairseq_shard_plugin.training.final_saves import (
     TrainingAlreadyFinished,
     config_for_a_signal_save,
@@ -624,10 +624,29 @@ def _importing_the_plugin_once(stock_import: Callable[..., Any]) -> Callable[...
     def import_user_module(args: Any) -> Any:
         user_dir = getattr(args, "user_dir", None)
         if user_dir and names_this_plugin(user_dir):
+            _name_another_copy(user_dir)
             return None  # imported already: this module is part of it
         return stock_import(args)
 
     return _marked(import_user_module, stock_import)
+
+
+def _name_another_copy(user_dir: str) -> None:
+    """A ``--user-dir`` (``common.user_dir``) of this plugin's name that is not the copy
+    already loaded (by the Hydra callback, or installed) is skipped, as fairseq skips a
+    module name imported before: said once, since a patched checkout does not run. (Not
+    refused: a non-editable install and the checkout it came from are two copies too.)"""
+    loaded = os.path.dirname(os.path.abspath(__file__))
+    fairseq_dir = os.path.dirname(os.path.abspath(fairseq_utils.__file__))
+    # where fairseq's import_user_module looks: the path, then beside fairseq's package
+    found = next((path for path in (os.path.abspath(user_dir),
+                                    os.path.join(fairseq_dir, user_dir),
+                                    os.path.join(fairseq_dir, "..", user_dir))
+                  if os.path.exists(path)), None)
+    if found is None or not os.path.samefile(found, loaded):
+        what = "does not exist" if found is None else "is another copy of the plugin"
+        warn_once(f"--user-dir {user_dir} (common.user_dir) {what}: the plugin already loaded "
+                  f"(installed, or imported by the Hydra callback) runs, from {loaded}")
 
 
 def _verifying_on_rank_zero(stock_verify: Callable[..., Any]) -> Callable[..., Any]:

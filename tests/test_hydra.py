@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 from dataclasses import fields
 from pathlib import Path
@@ -217,6 +218,23 @@ def test_a_bad_task_value_from_a_hydra_override_is_one_line(
     assert completed.returncode != 0
     assert completed.stderr.strip().splitlines()[-1] == f"fairseq-shard-plugin: error: {line}"
     assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
+
+
+def test_a_user_dir_that_is_another_copy_of_the_plugin_is_named(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """The Hydra callback loads the plugin before fairseq reads common.user_dir, and fairseq
+    skips a module name imported before: a patched copy given there did not run, unsaid."""
+    fork = tmp_path / "fork" / "fairseq_shard_plugin"
+    shutil.copytree(PLUGIN_DIR, fork, ignore=shutil.ignore_patterns("__pycache__"))
+    command = hydra_command("tiny", f"task.data={corpus}", "optimization.max_update=1")
+    command[command.index(f"common.user_dir={PLUGIN_DIR}")] = f"common.user_dir={fork}"
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                               cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert (f"--user-dir {fork} (common.user_dir) is another copy of the plugin: the plugin "
+            f"already loaded (installed, or imported by the Hydra callback) runs, from "
+            f"{PLUGIN_DIR}") in completed.stderr + completed.stdout
 
 
 def multilingual_overrides(data: Path) -> list[str]:
