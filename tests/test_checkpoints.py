@@ -307,6 +307,27 @@ def test_a_save_removes_only_the_leftovers_of_killed_writes_from_its_directory(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
 
 
+def test_temporary_files_written_on_another_host_or_namespace_are_never_judged_here(
+    tmp_path: Path,
+) -> None:
+    """A save dir shared by nodes (or containers): a process id means another process
+    there, so a live export's temporary file written elsewhere was deleted as a dead one's
+    (found with an export from another PID namespace)."""
+    from fairseq_shard_plugin.checkpoint.atomic_files import _create_partial_file, _this_place
+
+    dead = ended_process()
+    other = "0123abcd" if _this_place() != "0123abcd" else "4567cdef"
+    ours = tmp_path / f".model.pt.partial-{dead}@{_this_place()}-0a1b2c3d4e5f"
+    elsewhere = tmp_path / f".model.pt.partial-{dead}@{other}-0a1b2c3d4e5f"
+    for path in (ours, elsewhere):
+        path.write_bytes(b"half")
+    assert remove_partial_files(tmp_path) == [ours]
+    assert elsewhere.exists()
+    temporary, out = _create_partial_file(tmp_path / "model.pt")  # what a write names
+    out.close()
+    assert temporary.name.startswith(f".model.pt.partial-{os.getpid()}@{_this_place()}-")
+
+
 def ended_process() -> int:
     """The process id of a process that has ended."""
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],

@@ -4,7 +4,7 @@ Every write goes to a hidden temporary name in the same directory, is flushed an
 fsynced, then renamed over the final name with ``os.replace`` (atomic on POSIX), and the
 directory is fsynced so the rename itself survives a power loss. A process killed at any
 moment leaves either the previous complete file or the new complete file under the name,
-plus at most a leftover ``.NAME.partial-PID-RANDOM`` file that :func:`remove_partial_files`
+plus at most a leftover ``.NAME.partial-PID@PLACE-RANDOM`` file that :func:`remove_partial_files`
 deletes at the next save. The temporary names match none of fairseq's checkpoint patterns,
 so neither resume nor ``--keep-interval-updates`` ever picks them.
 """
@@ -12,11 +12,14 @@ so neither resume nor ``--keep-interval-updates`` ever picks them.
 from __future__ import annotations
 
 import errno
+import functools
 import glob
+import hashlib
 import os
 import re
 import secrets
 import shutil
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -25,20 +28,33 @@ from fairseq_shard_plugin.errors import ShardPluginError
 
 _PARTIAL_MARK = ".partial-"
 _RANDOM_HEX_DIGITS = 12
-_LEFTOVER_NAME = re.compile(  # what _create_partial_file names
+_LEFTOVER_NAME = re.compile(  # what _create_partial_file names (the place: since 2026-12-05)
     r"\.(?P<name>.+)" + re.escape(_PARTIAL_MARK)
-    + rf"(?P<pid>[0-9]+)-[0-9a-f]{{{_RANDOM_HEX_DIGITS}}}")
+    + rf"(?P<pid>[0-9]+)(?:@(?P<place>[0-9a-f]{{8}}))?-[0-9a-f]{{{_RANDOM_HEX_DIGITS}}}")
+
+
+@functools.cache
+def _this_place() -> str:
+    """Where this process's id means this process: its host and process-id namespace, as 8
+    hex digits. A save dir shared by nodes (or containers) holds temporary files whose
+    writers' ids mean other processes: those are never judged from here."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return hashlib.sha256(f"{socket.gethostname()}/{namespace}".encode()).hexdigest()[:8]
 _COPY_CHUNK = 1 << 20
 
 
 def _create_partial_file(path: Path) -> tuple[Path, BinaryIO]:
     """A new temporary file beside ``path`` for a write of ``path``, open for writing:
-    created exclusively under a fresh unpredictable name (``.NAME.partial-PID-RANDOM``), so a
+    created exclusively under a fresh unpredictable name (``.NAME.partial-PID@PLACE-RANDOM``), so a
     file or symlink planted under that name is never written through."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(100):
         random = secrets.token_hex(_RANDOM_HEX_DIGITS // 2)
-        temporary = path.with_name(f".{path.name}{_PARTIAL_MARK}{os.getpid()}-{random}")
+        temporary = path.with_name(
+            f".{path.name}{_PARTIAL_MARK}{os.getpid()}@{_this_place()}-{random}")
         try:  # (an opener keeps the file object's name the path, as open() gives it)
             return temporary, open(temporary, "wb",  # the caller closes it
                                    opener=lambda name, _: os.open(name, flags, 0o666))
@@ -102,10 +118,13 @@ def _process_is_gone(pid: int) -> bool:
 
 def _leftover_of_ended_write(leftover: Path, name: str | None = None) -> bool:
     """Whether ``leftover`` is a temporary file (or a link under such a name) that a write of
-    this module left (``.NAME.partial-PID-RANDOM``, of ``name`` where given) and whose process
-    has ended: another program's file, or a live process's write in progress, is not."""
+    this module left (``.NAME.partial-PID@PLACE-RANDOM``, of ``name`` where given) and whose
+    process has ended: another program's file, a live process's write in progress, or a
+    file written on another host or in another process-id namespace (whose ids mean other
+    processes here) is not. Names without a place (earlier versions) are judged by id."""
     match = _LEFTOVER_NAME.fullmatch(leftover.name)
     return bool(match and (name is None or match["name"] == name)
+                and match["place"] in (None, _this_place())
                 and (leftover.is_symlink() or leftover.is_file())
                 and _process_is_gone(int(match["pid"])))
 
