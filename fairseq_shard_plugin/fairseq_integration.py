@@ -446,6 +446,7 @@ def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
                 raise save_failure(error, cfg.save_dir) from error
         gathers_before = trainer.state_dict_calls
         saving_rank = trainer.should_save_checkpoint_on_current_rank
+        trainer.written_whole = None
         failure: WriteError | None = None
         try:  # a refused write (full disk) ends the run in one line that says what to do
             with _atomic_checkpoint_copies():
@@ -464,7 +465,7 @@ def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
                     # copies), joined so that no rank waits in it alone
                     dist.barrier()
         except WriteError as error:
-            failure = error
+            failure = _naming_what_was_written(error, trainer.written_whole)
         # the saving rank alone writes the files: the others learn of its failure here,
         # and stop with the same line instead of a broken connection at the next step
         failed = _first_failure(failure)
@@ -477,6 +478,17 @@ def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
     # fairseq keeps the best validation loss as an attribute of the module-level function
     # (``save_checkpoint.best``), looked up by name: it now lives on this wrapper.
     return _marked(save_checkpoint, stock_save)
+
+
+def _naming_what_was_written(error: WriteError, written: str | None) -> WriteError:
+    """A failed copy of a save's first file to its other names (checkpoint_best.pt,
+    checkpoint_last.pt) leaves that file whole, at a later update than checkpoint_last.pt:
+    the error says so, and how to resume from it."""
+    if not written or os.path.basename(written) in str(error):
+        return error
+    return WriteError(f"{error}; {os.path.basename(written)} was written whole before it: to "
+                      "resume from its update rather than checkpoint_last.pt's, copy it over "
+                      "checkpoint_last.pt first")
 
 
 def _first_failure(failure: WriteError | None) -> str | None:

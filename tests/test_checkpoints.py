@@ -368,6 +368,30 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_saved_checkpoints(
         assert len(list((tmp_path / "checkpoint_shards").iterdir())) == 1
 
 
+def test_a_failed_copy_names_the_newer_checkpoint_written_whole(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """The disk fills once update 6's checkpoint_1_6.pt is written: fairseq's copy of it to
+    checkpoint_best.pt fails. The line sent the user back to checkpoint_last.pt (update 3)
+    without a word of the whole update-6 file."""
+    command = [sys.executable, str(FULL_DISK_HELPER),
+               *training_args(corpus, tmp_path, 6), *TINY, "--task", "sharded_translation",
+               "--save-interval-updates", "3", "--user-dir", str(PLUGIN_DIR),
+               "--ddp-backend", "fully_sharded"]
+    env = dict(os.environ, FULL_AFTER_UPDATE="6", FULL_AT="copies",
+               FILE_LIMIT=str(512 * 1024), OMP_NUM_THREADS="1")
+    returncode, output = start_ranks(command, 2, env, timeout=120)
+    assert returncode == 1, output[-3000:]
+    errors = {line for line in output.splitlines()
+              if line.startswith("fairseq-shard-plugin: error: could not write ")}
+    assert len(errors) == 1, output[-3000:]
+    assert ("; checkpoint_1_6.pt was written whole before it: to resume from its update "
+            "rather than checkpoint_last.pt's, copy it over checkpoint_last.pt first") in \
+        errors.pop()
+    assert saved_update(tmp_path / "checkpoint_1_6.pt") == 6
+    assert saved_update(tmp_path / "checkpoint_last.pt") == 3
+
+
 def test_the_logged_size_of_a_sharded_checkpoint_is_what_is_written(crashes: dict) -> None:
     """A tiny model's sharded checkpoint is mostly DCP's bytes per chunk (it was announced
     at less than half of what was written)."""

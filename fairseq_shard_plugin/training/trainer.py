@@ -211,6 +211,7 @@ class ShardedTrainer(Trainer):
         self.signal_stop = signal_stop.install(
             signal_stop.parse_signals(self.sharding_options.save_on_signal))
         self.saved_at_update: int | None = None  # the update of this run's last save
+        self.written_whole: str | None = None  # the current save's first file, once written
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -364,7 +365,9 @@ class ShardedTrainer(Trainer):
         record_ranks(extra_state, self.data_parallel_world_size)
         if not self.should_save_checkpoint_on_current_rank:
             return None
-        return save_full_checkpoint(self, filename, extra_state, training_finished)
+        written = save_full_checkpoint(self, filename, extra_state, training_finished)
+        self.written_whole = written  # (fairseq copies it to the save's other names next)
+        return written
 
     def after_checkpoint_save(self) -> None:
         """Called on the saving rank after fairseq's copies and removals (hook 5)."""

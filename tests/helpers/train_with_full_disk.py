@@ -1,7 +1,9 @@
 """Run fairseq-train on a disk that fills up: after update FULL_AFTER_UPDATE, every rank
-may write files of at most FILE_LIMIT bytes.
+may write files of at most FILE_LIMIT bytes (with FULL_AT=copies: once the first file of
+that update's save is written, so that fairseq's copies of it fail).
 
-Usage: FULL_AFTER_UPDATE=K FILE_LIMIT=BYTES python train_with_full_disk.py FAIRSEQ_ARGS...
+Usage: FULL_AFTER_UPDATE=K FILE_LIMIT=BYTES [FULL_AT=copies] python train_with_full_disk.py
+FAIRSEQ_ARGS...
 The limit is the process's RLIMIT_FSIZE, with SIGXFSZ ignored, so a write past it fails
 with EFBIG, as a write to a full disk fails with ENOSPC. The ranks' logs (files below the
 limit) keep being written. Nothing in the plugin is replaced.
@@ -22,17 +24,26 @@ FULL_AFTER_UPDATE = int(os.environ["FULL_AFTER_UPDATE"])
 FILE_LIMIT = int(os.environ["FILE_LIMIT"])
 
 
-def filling_the_disk(train_step: Any) -> Any:
-    def step(self: ShardedTrainer, *args: Any, **kwargs: Any) -> Any:
-        result = train_step(self, *args, **kwargs)
+def _fill() -> None:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
+
+
+def filling_the_disk(method: Any) -> Any:
+    def call(self: ShardedTrainer, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
         if self.get_num_updates() == FULL_AFTER_UPDATE:
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
+            _fill()
         return result
-    return step
+    return call
 
 
-ShardedTrainer.train_step = filling_the_disk(ShardedTrainer.train_step)  # type: ignore[method-assign]
+if os.environ.get("FULL_AT") == "copies":
+    ShardedTrainer.save_checkpoint = filling_the_disk(  # type: ignore[method-assign]
+        ShardedTrainer.save_checkpoint)
+else:
+    ShardedTrainer.train_step = filling_the_disk(  # type: ignore[method-assign]
+        ShardedTrainer.train_step)
 
 if __name__ == "__main__":
     from fairseq_cli.train import cli_main
