@@ -178,6 +178,23 @@ def test_a_bad_multilingual_option_names_its_flag_and_hydra_key() -> None:
         "(Hydra key: task.sampling_method)")
 
 
+@pytest.mark.parametrize(("key", "value", "said"), [
+    ("left_pad_source", "maybe", "argument --left-pad-source (Hydra key: task.left_pad_source):"
+     " 'maybe': give True or False"),  # fairseq evals it as the data loads: NameError
+    ("extra_data", "notadict", "argument --extra-data (Hydra key: task.extra_data): 'notadict'"
+     " is not a value of it (NameError: "),  # its converter evals it: argparse passes it on
+    ("virtual_epoch_size", -5, "argument --virtual-epoch-size (Hydra key: "
+     "task.virtual_epoch_size): -5: give a positive number of examples")])  # len() < 0
+def test_multilingual_values_fairseq_fails_on_later_are_named(
+    key: str, value: object, said: str
+) -> None:
+    cfg = Namespace(**{**vars(task_namespace(Namespace(data="d", lang_pairs="a-b"))),
+                       key: value})
+    with pytest.raises(MultilingualOptionError) as raised:
+        task_namespace(cfg)
+    assert str(raised.value).startswith(f"sharded_translation_multi_simple_epoch: {said}")
+
+
 def test_a_sampling_temperature_of_zero_is_named_before_training(
     multilingual: Path, tmp_path: Path
 ) -> None:

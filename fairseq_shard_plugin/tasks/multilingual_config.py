@@ -190,5 +190,45 @@ def task_namespace(cfg: Any) -> argparse.Namespace:
             argv.append(f"{action.option_strings[-1]}={value}")
         else:
             already_converted[action.dest] = value
-    parsed = vars(task_parser().parse_args(argv))
-    return argparse.Namespace(**{**values, **parsed, **already_converted})
+    try:
+        parsed = vars(task_parser().parse_args(argv))
+    except (NameError, SyntaxError) as error:  # a converting type= that evals the text
+        raise MultilingualOptionError(_culprit(values, error)) from None
+    namespace = argparse.Namespace(**{**values, **parsed, **already_converted})
+    _check_values_fairseq_reads_later(namespace)
+    return namespace
+
+
+def _culprit(values: dict[str, Any], error: Exception) -> str:
+    """The option whose converter raised ``error`` (argparse passes only its own errors on):
+    each converting option's text is converted again, alone."""
+    for action in task_options(task_parser()):
+        text = values.get(action.dest)
+        if isinstance(text, str) and callable(action.type) and action.type not in (str, int,
+                                                                                    float):
+            try:
+                action.type(text)
+            except Exception as own:
+                return (f"{TASK_NAME}: argument {action.option_strings[-1]} (Hydra key: "
+                        f"task.{action.dest}): {text!r} is not a value of it "
+                        f"({type(own).__name__}: {str(own).splitlines()[0][:120]})")
+    return f"{TASK_NAME}: an option's value could not be read: {type(error).__name__}: {error}"
+
+
+def _check_values_fairseq_reads_later(namespace: argparse.Namespace) -> None:
+    """Values the parser accepts that fairseq's data manager fails on once the data loads:
+    booleans it evals from text, and sizes it divides by."""
+    for dest in ("left_pad_source", "left_pad_target"):
+        value = getattr(namespace, dest, None)
+        if isinstance(value, str) and value not in ("True", "False"):
+            flag = "--" + dest.replace("_", "-")
+            raise MultilingualOptionError(
+                f"{TASK_NAME}: argument {flag} (Hydra key: task.{dest}): {value!r}: give "
+                "True or False")
+    for dest in ("virtual_epoch_size", "virtual_data_size"):
+        value = getattr(namespace, dest, None)
+        if value is not None and value <= 0:
+            flag = "--" + dest.replace("_", "-")
+            raise MultilingualOptionError(
+                f"{TASK_NAME}: argument {flag} (Hydra key: task.{dest}): {value}: give a "
+                "positive number of examples, or leave it out")
