@@ -743,13 +743,24 @@ def _saving_on_signal(stock_validate_and_save: Callable[..., Any]) -> Callable[.
 
 
 def _how_to_resume(checkpoint_cfg: Any) -> str:
-    """How to continue from the save a signal made: an explicit --restore-file (a fine-tune
-    with --reset-* flags) would load that file again, not checkpoint_last.pt."""
-    if checkpoint_cfg.restore_file == "checkpoint_last.pt":
+    """How to continue from the save a signal made: fairseq loads --restore-file (the save
+    dir's checkpoint_last.pt unless named) with the --reset-* flags at every launch, so the
+    same command resumes only where that is the file just saved and no flag resets."""
+    suffix = checkpoint_cfg.checkpoint_suffix or ""
+    last = os.path.join(checkpoint_cfg.save_dir, f"checkpoint_last{suffix}.pt")
+    restore = checkpoint_cfg.restore_file
+    loads = last if restore == "checkpoint_last.pt" else restore.replace(".pt", f"{suffix}.pt")
+    other_file = os.path.abspath(loads) != os.path.abspath(last)
+    resets = [f"--reset-{name.replace('_', '-')}"
+              for name in ("optimizer", "lr_scheduler", "meters", "dataloader")
+              if getattr(checkpoint_cfg, f"reset_{name}", False)]
+    if not other_file and not resets:
         return "the same command resumes from it"
-    return (f"resume from it with the same command without --restore-file "
-            f"{checkpoint_cfg.restore_file} and its --reset-* flags (which would start from "
-            "that file again; --finetune-from-model instead starts from it only once)")
+    drop = " and ".join(([f"--restore-file {restore}"] if other_file else [])
+                        + ([" ".join(resets)] if resets else []))
+    return (f"resume from it with the same command without {drop} (each launch would start "
+            "from that file or those resets again; --finetune-from-model starts from a file "
+            "only once)")
 
 
 def _train_modules() -> list[Any]:

@@ -953,16 +953,23 @@ def test_unworkable_checkpoint_options_are_refused_with_the_flag_named(
 
 def test_the_signal_line_says_how_to_resume_a_run_that_named_its_restore_file() -> None:
     """A fine-tune started with --restore-file FILE --reset-* loads FILE at every launch:
-    "the same command resumes from it" sent requeued jobs back to the released model."""
+    "the same command resumes from it" sent requeued jobs back to the released model. The
+    save dir's own checkpoint_last.pt by path does resume; --reset-* flags alone do not."""
     from types import SimpleNamespace
 
     from fairseq_shard_plugin.fairseq_integration import _how_to_resume
 
-    assert _how_to_resume(SimpleNamespace(restore_file="checkpoint_last.pt")) == (
-        "the same command resumes from it")
-    advice = _how_to_resume(SimpleNamespace(restore_file="released.pt"))
-    assert advice.startswith("resume from it with the same command without --restore-file "
-                             "released.pt and its --reset-* flags")
+    def advice(restore: str, **resets: bool) -> str:
+        return _how_to_resume(SimpleNamespace(restore_file=restore, save_dir="/ckpt",
+                                              checkpoint_suffix="", **resets))
+
+    assert advice("checkpoint_last.pt") == "the same command resumes from it"
+    assert advice("/ckpt/checkpoint_last.pt") == "the same command resumes from it"
+    assert advice("released.pt", reset_optimizer=True).startswith(
+        "resume from it with the same command without --restore-file released.pt and "
+        "--reset-optimizer (each launch would start")
+    assert advice("checkpoint_last.pt", reset_dataloader=True, reset_meters=True).startswith(
+        "resume from it with the same command without --reset-meters --reset-dataloader (")
 
 
 def test_fairseq_generate_names_a_damaged_or_truncated_checkpoint_in_one_line(

@@ -83,29 +83,38 @@ def test_ranks_whose_save_dirs_differ_are_refused_before_training(
     assert not (cwds[1] / "save").exists() and not any((cwds[0] / "save").iterdir())
 
 
-def test_shard_directories_no_checkpoint_refers_to_are_removed_before_training(
+def test_shard_directories_no_checkpoint_refers_to_are_removed_before_the_first_update(
     corpus: Path, tmp_path: Path
 ) -> None:
     """What a save that was killed, or whose index could not be written, leaves behind is
-    removed at the next start (it took the room the next save needed); a directory the
-    plugin did not mark is kept."""
+    removed before the first update (it took the room the first save needed); a directory
+    the plugin did not mark is kept, and so are the shards of an index set aside under
+    another name, which the run resumes from (they were removed before it was loaded), and
+    nothing is removed by a run that stops before training."""
     save_dir = tmp_path / "save"
-    run_training(_plugin_args([*training_args(corpus, save_dir, max_update=2), *TINY,
-                               *SHARDED]), nproc=1, plugin=True)
+    first = _plugin_args([*training_args(corpus, save_dir, max_update=4), *TINY, *SHARDED,
+                          "--save-interval-updates", "2"])
+    run_training(first, nproc=1, plugin=True)
+    (save_dir / "checkpoint_1_2.pt").rename(save_dir / "update2.ckpt")  # set aside
     shards = save_dir / SHARDS_DIR
-    [saved] = list(shards.iterdir())
+    kept = sorted(shards.iterdir())
     orphan = shards / "u3-18ee78e97eafec63"  # update 3's save, its index never written
-    shutil.copytree(saved, orphan)
+    shutil.copytree(kept[0], orphan)
     mark_as_shard_directory(orphan, save_dir)
     foreign = shards / "u4-18ee78e97eafec64"  # the same, but not marked as the plugin's
-    shutil.copytree(saved, foreign)
+    shutil.copytree(kept[0], foreign)
     (foreign / MARKER).unlink()
-    result = run_training(_plugin_args([*training_args(corpus, save_dir, max_update=3), *TINY,
-                                        *SHARDED]), nproc=1, plugin=True)
-    assert f"removed {orphan}: no checkpoint refers to it (left by a save that was " \
-        "interrupted or failed)" in result.output
+    resume = _plugin_args([*training_args(corpus, save_dir, max_update=3), *TINY, *SHARDED,
+                           "--restore-file", str(save_dir / "update2.ckpt")])
+    broken = [*resume, "--encoder-attention-heads", "5"]  # fails as the model is built
+    assert run_training(broken, nproc=1, plugin=True, check=False).returncode != 0
+    assert orphan.is_dir()
+    result = run_training(resume, nproc=1, plugin=True)
+    assert "(epoch 1 @ 2 updates)" in result.output  # resumed from the index set aside
+    assert f"removed {orphan}: no checkpoint refers to it any more" in result.output
     assert not orphan.exists() and foreign.is_dir()
-    assert "(epoch 1 @ 2 updates)" in result.output  # resumed from the intact checkpoint
+    assert all(directory.is_dir() for directory in kept)
+    assert check(save_dir / "update2.ckpt").intact
 
 
 def test_a_symlink_as_the_lock_file_is_not_followed(tmp_path: Path) -> None:

@@ -9,9 +9,9 @@ node-local disk) split every sharded save between them and resume from different
 So, before training, rank 0 takes an exclusive ``flock`` on
 ``SAVE_DIR/.fairseq-shard-plugin.lock`` (held until the training ends, when the file is
 removed; the kernel drops the lock of a process that dies) and writes a probe file there
-that every rank must see at the same absolute path. Then, holding the save dir, rank 0
-removes the shard directories no checkpoint refers to, which a killed or failed save
-leaves, before the first save needs their space.
+that every rank must see at the same absolute path. (Holding the save dir, the trainer
+removes before its first update the shard directories no checkpoint refers to, which a
+killed or failed save leaves, before the first save needs their space.)
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from collections.abc import Iterator
 import torch.distributed as dist
 
 from fairseq_shard_plugin.checkpoint.atomic_files import describe_os_error
-from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
-from fairseq_shard_plugin.checkpoint.sharded import remove_unreferenced_shards
 from fairseq_shard_plugin.errors import ShardingConfigError
 
 logger = logging.getLogger(__name__)
@@ -61,10 +59,6 @@ def claimed_save_dir(save_dir: str) -> Iterator[None]:
             if probe:
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(path, probe))
-        if not _rank():
-            for directory in remove_unreferenced_shards(path, read_checkpoint):
-                logger.info(f"removed {directory}: no checkpoint refers to it (left by a save "
-                            "that was interrupted or failed)")
         yield
     finally:
         if lock is not None:

@@ -251,23 +251,26 @@ def save_sharded(state: dict[str, Any], save_dir: str | Path, num_updates: int) 
 
 def _possible_indexes(save_dir: Path) -> list[Path]:
     """The files of ``save_dir`` that may be checkpoints, hence refer to shards: fairseq's
-    names (``*.pt``), and copies a user made beside them (``*.pt.*``, such as
-    ``checkpoint_last.pt.bak``) unless their first bytes are not a torch file's at all (a
-    checksum ``checkpoint_last.pt.md5``, notes)."""
+    names (``*.pt``), and any other file whose first bytes may be a torch file's (a copy a
+    user set aside as ``checkpoint_last.pt.bak`` or ``update2.ckpt``, perhaps to restore it
+    later); not a checksum, notes or logs."""
     return sorted(path for path in save_dir.iterdir() if not path.name.startswith(".")
                   and path.is_file() and (path.name.endswith(".pt")
-                                          or (".pt." in path.name and _may_be_torch_file(path))))
+                                          or _may_be_torch_file(path, ".pt." in path.name)))
 
 
-def _may_be_torch_file(path: Path) -> bool:
-    """False only for a file whose first bytes are neither of torch's formats; an empty
-    file (a copy just begun) or one that cannot be opened may still become or be one."""
+def _may_be_torch_file(path: Path, named_as_a_copy: bool) -> bool:
+    """False for a file whose first bytes are neither of torch's formats. An empty file or
+    one that cannot be opened counts only ``named_as_a_copy`` (``*.pt.*``: a copy just
+    begun may become one); any other name must begin as a torch file does."""
     try:
-        return path.stat().st_size == 0 or bool(checkpoint_format(path))
+        if path.stat().st_size == 0:
+            return named_as_a_copy
+        return bool(checkpoint_format(path))
     except NotACheckpointError:
         return False
     except OSError:
-        return True
+        return named_as_a_copy
 
 
 def remove_unreferenced_shards(
@@ -275,8 +278,8 @@ def remove_unreferenced_shards(
 ) -> list[Path]:
     """Delete the plugin's shard directories (:func:`is_plugin_shard_directory`) in
     ``save_dir/checkpoint_shards`` that no checkpoint file in ``save_dir`` refers to
-    (``*.pt``, and copies named ``*.pt.*`` such as ``checkpoint_last.pt.bak``; a
-    ``*.pt.*`` file that is no torch file at all, e.g. a checksum, is not one).
+    (``*.pt``, and files of any other name that begin as torch files do, such as
+    ``checkpoint_last.pt.bak``; a checksum or a log is not one).
 
     ``checkpoint_shards`` itself may be a symlink (shards on a scratch disk): its entries
     are listed through it, and only the directories the plugin wrote for this save dir

@@ -101,7 +101,8 @@ def checkpoint_state(trainer: Any, stock_state: Callable[[], dict[str, Any]]) ->
 
 
 def after_save(trainer: Any) -> None:
-    """On the saving rank, once fairseq has copied and pruned names: drop orphaned shards."""
+    """On the saving rank, after a save (once fairseq has copied and pruned names) and
+    before the first update: drop the shard directories no checkpoint refers to."""
     for directory in remove_unreferenced_shards(trainer.cfg.checkpoint.save_dir, _read_index):
         logger.info(f"removed {directory}: no checkpoint refers to it any more")
 

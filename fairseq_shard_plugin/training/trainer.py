@@ -200,6 +200,7 @@ class ShardedTrainer(Trainer):
         if self.offload and self._memory_probe is not None and self.device.type == "cpu":
             watch_offloaded_state(lambda: self._memory_probe, self._model.parameters())
         self._space_reported = False  # see _report_checkpoint_space
+        self._orphans_removed = False  # see _remove_orphaned_shards
         if self.is_data_parallel_master:
             prediction = log_predicted_peak(self._run_description, self.device, task,
                                             cfg.dataset.valid_subset)
@@ -448,6 +449,8 @@ class ShardedTrainer(Trainer):
         original error is raised instead, so the log ends with what went wrong. A resumed
         run that is at ``--max-update`` already takes no step (``final_saves``)."""
         refuse_a_step_past_the_end(self.cfg, self.get_num_updates())
+        if not self._orphans_removed:
+            self._remove_orphaned_shards()
         try:
             with stop_on_out_of_memory(
                     self.cfg, self.data_parallel_rank, self.get_num_updates(),
@@ -465,6 +468,14 @@ class ShardedTrainer(Trainer):
         if self.offload:
             self._log_host_wait()
         return logging_output
+
+    def _remove_orphaned_shards(self) -> None:
+        """Before the first update, once the checkpoint to resume from is loaded: the shard
+        directories no checkpoint refers to, which a killed or failed save left (they took
+        the room the first save needs). The save dir is this run's (``save_dir_claim``)."""
+        self._orphans_removed = True
+        if self.should_save_checkpoint_on_current_rank and not self.cfg.checkpoint.no_save:
+            after_save(self)
 
     def _log_host_wait(self) -> None:
         """How long this update waited for the host's Adam step: the step's in-line part
