@@ -94,9 +94,10 @@ CHECKED = {
     "directory": ["--task", "sharded_translation",
                   "--export-consolidated", str(Path(__file__) / "model.pt")],
     # a trailing separator means a directory: it wrote a file under the directory's name
-    f"--export-consolidated {Path(__file__).parent / 'exports'}/: it is a directory (name the "
-    "file, e.g. model.pt inside it)": ["--task", "sharded_translation", "--export-consolidated",
-                                       f"{Path(__file__).parent / 'exports'}/"],
+    f"--export-consolidated {Path(__file__).parent / 'exports'}/: refused: it names a "
+    "directory (it ends with a separator, . or ..)": [
+        "--task", "sharded_translation", "--export-consolidated",
+        f"{Path(__file__).parent / 'exports'}/"],
     # an export is weights only: a resume from it would restart at update 0
     "refused: fairseq resumes training from checkpoint_last*.pt": [
         "--task", "sharded_translation",

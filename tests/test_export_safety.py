@@ -91,6 +91,11 @@ def test_an_export_never_replaces_a_shard_file_or_a_file_that_is_not_a_checkpoin
     # a directory of that name elsewhere is only a name; checkpoint_shards/ itself too
     consolidate.export_consolidated(save_dir, tmp_path / "checkpoint_shards" / "run" / "m.pt")
     consolidate.export_consolidated(save_dir, save_dir / "checkpoint_shards" / "model.pt")
+    for named in ("new/", "new/."):  # a directory: it wrote a file named new
+        with pytest.raises(consolidate.ConsolidateError, match=r"it names a directory \(it "
+                           r"ends with a separator, \. or \.\.\)"):
+            consolidate.export_consolidated(save_dir, f"{tmp_path}/{named}")
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_source_replaced_while_it_is_read_writes_nothing(

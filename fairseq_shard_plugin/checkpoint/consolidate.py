@@ -294,7 +294,10 @@ def export_target_problem(destination: str | Path, source: Path | None = None,
     sharded checkpoint's shard directory or a file that is not a checkpoint, or take a name
     fairseq resumes from (``checkpoint_last.pt``), or any of fairseq's checkpoint names in
     the training's ``save_dir``: a resume would then restart at update 0 from weights
-    without optimizer state and overwrite the save dir's checkpoints."""
+    without optimizer state and overwrite the save dir's checkpoints; or a destination that
+    names a directory (``out/``, ``out/.``), which ``Path`` would read as a file ``out``."""
+    if os.path.basename(str(destination)) in ("", ".", ".."):
+        return "it names a directory (it ends with a separator, . or ..)"
     destination = Path(destination)
     shards = _inside_a_shard_directory(destination)
     if shards is not None:

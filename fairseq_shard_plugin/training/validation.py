@@ -171,7 +171,7 @@ def unwritable_file(target: str) -> str | None:
     or None. Checked before training; the export itself still reports what the system
     refuses."""
     path = Path(target)
-    if path.is_dir() or target.endswith(os.sep):  # (Path drops a trailing separator)
+    if path.is_dir():
         return "it is a directory (name the file, e.g. model.pt inside it)"
     ancestor = path.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
