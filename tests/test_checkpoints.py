@@ -423,15 +423,19 @@ def test_a_failed_first_save_does_not_promise_a_resume(tmp_path: Path) -> None:
     ("Disk quota exceeded (EDQUOT)", "Free space in {save_dir} and run"),
     ("Not a directory (ENOTDIR)", "Fix that and run"),  # said "Free space" too
     ("File too large (EFBIG)", "A checkpoint file outgrew a file size limit"),  # "Free space"
+    ("File too large (EFBIG)", "or train on more ranks (a smaller shard file each)"),
     ("Permission denied (EACCES)", "Fix that and run")])
 def test_a_failed_save_asks_for_space_only_when_space_ran_out(
     tmp_path: Path, cause: str, advice: str
 ) -> None:
     from fairseq_shard_plugin.checkpoint.errors import save_failure
 
-    error = WriteError(f"could not write {tmp_path}/checkpoint_shards/u1: {cause}")
+    error = WriteError(f"could not write the shards of update 1 to "
+                       f"{tmp_path}/checkpoint_shards/u1: {cause}")
     line = str(save_failure(error, str(tmp_path)))
-    assert f"{cause}. {advice.format(save_dir=tmp_path)}" in line
+    assert f"{cause}. {advice.format(save_dir=tmp_path)}" in line or (
+        advice.startswith("or ") and advice in line)
+    assert "--checkpoint-format sharded" not in line  # the format of these shards already
     assert "the same command again" in line and ("Free space" in line) == ("SPC" in cause
                                                                           or "QUOT" in cause)
 

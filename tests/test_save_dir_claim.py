@@ -9,6 +9,8 @@ complete shard directory behind, and the resumed run had no room to save.
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -128,10 +130,24 @@ def test_a_symlink_as_the_lock_file_is_not_followed(tmp_path: Path) -> None:
     save_dir.mkdir()
     (save_dir / LOCK_NAME).symlink_to(precious)
     with pytest.raises(SaveDirInUseError, match=r"^.*/save/\.fairseq-shard-plugin\.lock is a "
-                       "symbolic link, which the plugin does not follow .*: remove it$"):
+                       "symbolic link, not the plugin's lock file .*: remove it$"):
         with claimed_save_dir(str(save_dir)):
             pass
     assert precious.read_text() == "keep me" and (save_dir / LOCK_NAME).is_symlink()
+
+
+@pytest.mark.parametrize(("make", "kind"), [(os.mkdir, "a directory"),
+                                            (os.mkfifo, "not a regular file")])
+def test_a_lock_file_that_is_no_file_is_named(tmp_path: Path, make, kind: str) -> None:
+    """A directory was "cannot write to the save dir" (wrong advice); a FIFO was taken as a
+    lock, and a second run failed reading its holder (Illegal seek)."""
+    from fairseq_shard_plugin.checkpoint.save_dir_claim import SaveDirInUseError
+
+    make(tmp_path / LOCK_NAME)
+    with pytest.raises(SaveDirInUseError,
+                       match=re.escape(f"{tmp_path / LOCK_NAME} is {kind}, not the ")):
+        with claimed_save_dir(str(tmp_path)):
+            pass
 
 
 def test_a_save_dir_is_held_until_the_block_ends(tmp_path: Path) -> None:

@@ -48,9 +48,12 @@ def save_failure(error: WriteError, save_dir: str) -> CheckpointWriteError:
     checkpoints (or start afresh, where no checkpoint was saved yet). The error may come
     from another rank, as text: its errno name says."""
     if "(EFBIG)" in str(error):  # freeing space would not help: the next try fails alike
+        smaller = ("train on more ranks (a smaller shard file each)"
+                   if "the shards of update" in str(error)  # sharded already
+                   else "save with --checkpoint-format sharded (a smaller file per rank)")
         fix = ("A checkpoint file outgrew a file size limit (the shell's ulimit -f, or the "
                "file system's largest file): raise it, give a --save-dir on another file "
-               "system, or save with --checkpoint-format sharded (a smaller file per rank),")
+               f"system, or {smaller},")
     elif any(f"({name})" in str(error) for name in _OUT_OF_SPACE):
         fix = f"Free space in {save_dir}"
     else:

@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import socket
+import stat
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -78,15 +79,20 @@ def _lock(path: str) -> tuple[str, int | None]:
             descriptor = os.open(lock_file,
                                  os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as error:
-            if os.path.islink(lock_file):
-                return (f"{lock_file} is a symbolic link, which the plugin does not follow "
-                        "(it writes its lock file): remove it"), None
+            if os.path.islink(lock_file) or os.path.lexists(lock_file):
+                return _not_a_lock_file(lock_file), None
             return (f"cannot write to the save dir {path}: {describe_os_error(error)}; give a "
                     "--save-dir (checkpoint.save_dir) that can be written, or --no-save"), None
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # a FIFO, a device
+            os.close(descriptor)
+            return _not_a_lock_file(lock_file), None
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(descriptor, 200, 0).decode(errors="replace").strip()
+            try:
+                holder = os.pread(descriptor, 200, 0).decode(errors="replace").strip()
+            except OSError:
+                holder = ""
             os.close(descriptor)
             return (f"another training ({holder or 'its process unknown'}) is saving its "
                     f"checkpoints into {path}: give this one its own --save-dir "
@@ -107,6 +113,13 @@ def _lock(path: str) -> tuple[str, int | None]:
         os.pwrite(descriptor, f"pid {os.getpid()} on {socket.gethostname()}, since "
                   f"{started}\n".encode(), 0)
     return "", descriptor
+
+
+def _not_a_lock_file(lock_file: str) -> str:
+    kind = ("a symbolic link" if os.path.islink(lock_file) else "a directory"
+            if os.path.isdir(lock_file) else "not a regular file")
+    return (f"{lock_file} is {kind}, not the plugin's lock file (which it writes and removes, "
+            "and never follows): remove it")
 
 
 def _same_file(descriptor: int, path: str) -> bool:
