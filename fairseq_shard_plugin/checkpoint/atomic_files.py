@@ -129,6 +129,12 @@ def _leftover_of_ended_write(leftover: Path, name: str | None = None) -> bool:
                 and _process_is_gone(int(match["pid"])))
 
 
+def _leftover_of_held_name(leftover: Path, held_names: Callable[[str], bool]) -> bool:
+    match = _LEFTOVER_NAME.fullmatch(leftover.name)
+    return bool(match and held_names(match["name"])
+                and (leftover.is_symlink() or leftover.is_file()))
+
+
 def remove_stale_partial_files(path: Path) -> None:
     """Delete the temporary files of earlier writes of ``path`` whose process has ended (a
     killed export or save); a live process's write in progress is left alone."""
@@ -174,15 +180,21 @@ def copy_atomically(source: str | Path, destination: str | Path) -> None:
     write_atomically(destination, lambda out: copy_file_contents(Path(source), out))
 
 
-def remove_partial_files(directory: str | Path) -> list[Path]:
+def remove_partial_files(
+    directory: str | Path, held_names: Callable[[str], bool] = lambda name: False
+) -> list[Path]:
     """Delete the temporary files that writes of this module left in ``directory`` when
     their process was killed (and links under such names: removing a link leaves its
     target alone); return them. Other programs' files, and the temporary files of writes
-    still in progress (an export beside a training run), are left alone."""
+    still in progress (an export beside a training run), are left alone. Leftovers of
+    the names ``held_names`` accepts go whatever their place and process: the caller
+    alone writes those names (a training holding its save dir, its checkpoint names), so
+    a killed save's file from another node or container goes too."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    leftovers = [p for p in directory.iterdir() if _leftover_of_ended_write(p)]
+    leftovers = [p for p in directory.iterdir()
+                 if _leftover_of_ended_write(p) or _leftover_of_held_name(p, held_names)]
     for leftover in leftovers:
         leftover.unlink(missing_ok=True)
     return leftovers

@@ -12,6 +12,7 @@ import torch
 from fairseq import utils
 
 from fairseq_shard_plugin.checkpoint.atomic_files import remove_partial_files, write_atomically
+from fairseq_shard_plugin.checkpoint.consolidate import TRAINING_CHECKPOINT_NAME
 from fairseq_shard_plugin.checkpoint.errors import (
     RESET_OPTIMIZER,
     CheckpointLoadError,
@@ -67,7 +68,10 @@ def save_full_checkpoint(
     logger.info(f"Saving checkpoint to {path}")
     state = _on_cpu_once(trainer.state_dict(filename, training_finished))
     state["extra_state"].update(extra_state)
-    for leftover in remove_partial_files(os.path.dirname(path)):
+    held = os.path.dirname(path) == os.path.abspath(trainer.cfg.checkpoint.save_dir)
+    for leftover in remove_partial_files(  # the save dir is this run's (save_dir_claim)
+            os.path.dirname(path),
+            lambda name: held and TRAINING_CHECKPOINT_NAME.fullmatch(name) is not None):
         logger.warning(f"removed {leftover}, left by a save that was interrupted")
     write_atomically(path, lambda out: torch.save(state, out))
     logger.info(f"Finished saving checkpoint to {path}")
