@@ -88,3 +88,16 @@ def test_the_plugins_state_goes_to_fairseqs_own_optimizer_only_where_it_fits() -
         name = other["optimizer_history"][-1]["optimizer_name"]
         give_to_stock_optimizer("c.pt", other, adam(SHAPES), "sgd")
         assert other["optimizer_history"][-1]["optimizer_name"] == name
+
+
+def test_optimizer_state_for_fewer_parameters_than_the_model_is_named() -> None:
+    """A parameter added at the end (an output projection untied) left every saved entry's
+    shape fitting: torch's load_state_dict then failed with its own unexplained ValueError."""
+    from fairseq_shard_plugin.checkpoint.stock_optimizer_state import layout_problem
+
+    saved = {"param_groups": [{"params": [0, 1]}],
+             "state": {0: {"exp_avg": torch.zeros(2, 3)}, 1: {"exp_avg": torch.zeros(3)}}}
+    shapes = [torch.Size([2, 3]), torch.Size([3])]
+    assert layout_problem(saved, shapes) is None
+    assert layout_problem(saved, [*shapes, torch.Size([5, 3])]) == (
+        "state for 2 parameters, 3 in this model")

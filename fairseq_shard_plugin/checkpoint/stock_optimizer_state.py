@@ -32,6 +32,10 @@ class StockOptimizerStateError(CheckpointLoadError):
 
 def layout_problem(saved: dict[str, Any], shapes: Sequence[torch.Size]) -> str | None:
     """Why per-parameter state ``saved`` does not fit parameters of ``shapes``, or None."""
+    groups = saved.get("param_groups") or []
+    counted = sum(len(group.get("params", ())) for group in groups if isinstance(group, dict))
+    if groups and counted != len(shapes):  # torch's load_state_dict refuses it, unexplained
+        return f"state for {counted} parameters, {len(shapes)} in this model"
     for index, entry in saved.get("state", {}).items():
         if not isinstance(index, int) or not 0 <= index < len(shapes):
             return f"state for parameter {index!r} of {len(shapes)}"
