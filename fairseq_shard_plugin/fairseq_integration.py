@@ -351,21 +351,23 @@ class _TrainThenExport:
         save_dir = (contextlib.nullcontext() if cfg.checkpoint.no_save
                     or "://" in cfg.checkpoint.save_dir  # remote storage: fairseq's own
                     else claimed_save_dir(cfg.checkpoint.save_dir))
-        try:
-            with save_dir, training_with(settings):
-                result = self.main(cfg, **kwargs)
-        except TrainingAlreadyFinished as finished:  # (every rank, at the same update)
-            logger.info(str(finished))
-        signum = stopped_by()
-        if signum is not None:  # saved and stopped early (hook 9): not the final model
-            sys.exit(128 + signum)
-        target = sharding_options(cfg.task).export_consolidated
-        if target and cfg.distributed_training.distributed_rank == 0:
-            from fairseq_shard_plugin.checkpoint.consolidate import export_consolidated
+        with save_dir:  # held through the export, which reads the save dir's last save
+            try:
+                with training_with(settings):
+                    result = self.main(cfg, **kwargs)
+            except TrainingAlreadyFinished as finished:  # (every rank, at the same update)
+                logger.info(str(finished))
+            signum = stopped_by()
+            if signum is not None:  # saved and stopped early (hook 9): not the final model
+                sys.exit(128 + signum)
+            target = sharding_options(cfg.task).export_consolidated
+            if target and cfg.distributed_training.distributed_rank == 0:
+                from fairseq_shard_plugin.checkpoint.consolidate import export_consolidated
 
-            last = f"checkpoint_last{cfg.checkpoint.checkpoint_suffix}.pt"
-            written = export_consolidated(os.path.join(cfg.checkpoint.save_dir, last), target)
-            logger.info(f"exported the final model to {written}")
+                last = f"checkpoint_last{cfg.checkpoint.checkpoint_suffix}.pt"
+                written = export_consolidated(os.path.join(cfg.checkpoint.save_dir, last),
+                                              target)
+                logger.info(f"exported the final model to {os.path.abspath(written)}")
         return result
 
 

@@ -325,12 +325,15 @@ def test_temporary_files_written_on_another_host_or_namespace_are_never_judged_h
     assert elsewhere.exists()
     # a training holding its save dir removes what killed saves of its own names left,
     # from any place (a job requeued on another node, or in a new container)
+    # (this place's are judged by their process: a live export here keeps its file)
     killed_save = tmp_path / f".checkpoint_last.pt.partial-{os.getpid()}@{other}-0a1b2c3d4e5f"
-    killed_save.write_bytes(b"half")
+    live_here = tmp_path / f".checkpoint_b.pt.partial-{os.getpid()}@{_this_place()}-0a1b2c3d4e5f"
+    for path in (killed_save, live_here):
+        path.write_bytes(b"half")
     assert remove_partial_files(tmp_path) == []
     assert remove_partial_files(tmp_path, lambda name: name.startswith("checkpoint_")) == [
         killed_save]
-    assert elsewhere.exists()
+    assert elsewhere.exists() and live_here.exists()
     temporary, out = _create_partial_file(tmp_path / "model.pt")  # what a write names
     out.close()
     assert temporary.name.startswith(f".model.pt.partial-{os.getpid()}@{_this_place()}-")

@@ -161,3 +161,38 @@ def test_a_save_dir_is_held_until_the_block_ends(tmp_path: Path) -> None:
     assert not lock_file.exists()
     with claimed_save_dir(str(tmp_path / "save")):  # free again
         pass
+
+
+def test_a_save_dir_that_is_a_file_is_named_so(tmp_path: Path) -> None:
+    from fairseq_shard_plugin.checkpoint.save_dir_claim import SaveDirInUseError
+
+    (tmp_path / "save").write_text("notes")
+    with pytest.raises(SaveDirInUseError, match="save is a file, not a directory: give a "):
+        with claimed_save_dir(str(tmp_path / "save")):
+            pass
+
+
+def test_processes_forked_while_it_is_held_do_not_hold_the_lock(tmp_path: Path) -> None:
+    """fairseq's data loader workers, forked after the claim, kept the save dir locked for
+    a while after their rank 0 was killed: a requeued run was refused."""
+    import fcntl
+
+    from fairseq_shard_plugin.checkpoint import save_dir_claim
+
+    with claimed_save_dir(str(tmp_path)):
+        held = save_dir_claim._held[0]
+        assert held is not None
+        child = os.fork()
+        if child == 0:  # the worker: its copy of the descriptor is closed, the lock stays
+            try:
+                os.fstat(held)
+                os._exit(2)  # still open here
+            except OSError:
+                pass
+            try:
+                with open(tmp_path / LOCK_NAME) as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os._exit(1)  # the lock was free: closing the copy released it
+            except BlockingIOError:
+                os._exit(0)
+        assert os.waitpid(child, 0)[1] == 0

@@ -130,9 +130,11 @@ def _leftover_of_ended_write(leftover: Path, name: str | None = None) -> bool:
 
 
 def _leftover_of_held_name(leftover: Path, held_names: Callable[[str], bool]) -> bool:
+    """A temporary file of a name ``held_names`` accepts, written in another place (this
+    place's are judged by their process)."""
     match = _LEFTOVER_NAME.fullmatch(leftover.name)
-    return bool(match and held_names(match["name"])
-                and (leftover.is_symlink() or leftover.is_file()))
+    return bool(match and match["place"] not in (None, _this_place())
+                and held_names(match["name"]) and (leftover.is_symlink() or leftover.is_file()))
 
 
 def remove_stale_partial_files(path: Path) -> None:
@@ -187,9 +189,9 @@ def remove_partial_files(
     their process was killed (and links under such names: removing a link leaves its
     target alone); return them. Other programs' files, and the temporary files of writes
     still in progress (an export beside a training run), are left alone. Leftovers of
-    the names ``held_names`` accepts go whatever their place and process: the caller
-    alone writes those names (a training holding its save dir, its checkpoint names), so
-    a killed save's file from another node or container goes too."""
+    the names ``held_names`` accepts written in another place go too: the caller alone
+    writes those names (a training holding its save dir, its checkpoint names), so they
+    are a killed save's, from another node or an earlier container."""
     directory = Path(directory)
     if not directory.is_dir():
         return []

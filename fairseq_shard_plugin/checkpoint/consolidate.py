@@ -88,7 +88,7 @@ logger = logging.getLogger(__name__)
 _DROPPED = ("last_optimizer_state", SHARDED_KEY, METADATA_KEY)  # (fairscale's flat layout)
 _EXPORT_HINT = "export an intact checkpoint instead (fairseq-shard-verify SAVE_DIR lists them)"
 # fairseq's names for the checkpoints of a save dir (resume, best, epoch and interval ones)
-TRAINING_CHECKPOINT_NAME = re.compile(r"checkpoint(_last|_best|[0-9]+|_[0-9]+_[0-9]+)\S*\.pt")
+_TRAINING_NAME = re.compile(r"checkpoint(_last|_best|[0-9]+|_[0-9]+_[0-9]+)\S*\.pt")
 
 
 class ConsolidateError(ShardPluginError, ValueError):
@@ -313,7 +313,7 @@ def export_target_problem(destination: str | Path, source: Path | None = None,
             return "it is an existing file that is not a checkpoint, which it would replace"
     if re.fullmatch(r"checkpoint_last\S*\.pt", destination.name):
         return "fairseq resumes training from checkpoint_last*.pt"
-    if save_dir is not None and TRAINING_CHECKPOINT_NAME.fullmatch(destination.name) \
+    if save_dir is not None and _TRAINING_NAME.fullmatch(destination.name) \
             and destination.parent.resolve() == Path(save_dir).resolve():
         return f"{destination.name} is one of the training's own checkpoint names in {save_dir}"
     return None

@@ -79,8 +79,11 @@ def _lock(path: str) -> tuple[str, int | None]:
             descriptor = os.open(lock_file,
                                  os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as error:
-            if os.path.islink(lock_file) or os.path.lexists(lock_file):
+            if _no_regular_file(lock_file):
                 return _not_a_lock_file(lock_file), None
+            if os.path.exists(path) and not os.path.isdir(path):
+                return (f"the save dir {path} is a file, not a directory: give a --save-dir "
+                        "(checkpoint.save_dir) that is a directory or does not exist yet"), None
             return (f"cannot write to the save dir {path}: {describe_os_error(error)}; give a "
                     "--save-dir (checkpoint.save_dir) that can be written, or --no-save"), None
         if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # a FIFO, a device
@@ -107,12 +110,22 @@ def _lock(path: str) -> tuple[str, int | None]:
         os.close(descriptor)  # locked a file its last holder had just removed
     else:
         return f"could not lock {lock_file}: it keeps being replaced", None
+    _held[0] = descriptor
+    _remove_stale_probes(path)
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     with contextlib.suppress(OSError):  # who holds it, for a second run's message only
         os.ftruncate(descriptor, 0)
         os.pwrite(descriptor, f"pid {os.getpid()} on {socket.gethostname()}, since "
                   f"{started}\n".encode(), 0)
     return "", descriptor
+
+
+def _no_regular_file(lock_file: str) -> bool:
+    """Whether something other than a regular file is there under the lock file's name."""
+    try:
+        return not stat.S_ISREG(os.lstat(lock_file).st_mode)
+    except OSError:
+        return False
 
 
 def _not_a_lock_file(lock_file: str) -> str:
@@ -133,9 +146,35 @@ def _same_file(descriptor: int, path: str) -> bool:
 def _release(path: str, descriptor: int) -> None:
     """Remove the lock file while it is still held (a run that opened it meanwhile finds
     it replaced, see :func:`_lock`), then let it go."""
+    _held[0] = None
     with contextlib.suppress(OSError):
         os.unlink(os.path.join(path, LOCK_NAME))
     os.close(descriptor)
+
+
+# The held lock's descriptor. A process forked while it is held (fairseq's data loader
+# workers) closes its copy: the lock belongs to the open file, so a worker that outlives a
+# killed rank 0 would otherwise keep the save dir locked; closing a copy keeps it held.
+_held: list[int | None] = [None]
+
+
+def _close_in_child() -> None:
+    if _held[0] is not None:
+        with contextlib.suppress(OSError):
+            os.close(_held[0])
+        _held[0] = None
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+def _remove_stale_probes(path: str) -> None:
+    """Probe files of claims whose process was killed before removing its own."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(path):
+            if name.startswith(_PROBE_PREFIX):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(path, name))
 
 
 def _write_probe(path: str) -> tuple[str, str]:

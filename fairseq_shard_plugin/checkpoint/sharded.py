@@ -32,6 +32,7 @@ import logging
 import re
 import shutil
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -256,21 +257,32 @@ def _possible_indexes(save_dir: Path) -> list[Path]:
     later); not a checksum, notes or logs."""
     return sorted(path for path in save_dir.iterdir() if not path.name.startswith(".")
                   and path.is_file() and (path.name.endswith(".pt")
-                                          or _may_be_torch_file(path, ".pt." in path.name)))
+                                          or (".pt." in path.name and _may_be_torch_file(path))
+                                          or _is_torch_archive(path)))
 
 
-def _may_be_torch_file(path: Path, named_as_a_copy: bool) -> bool:
-    """False for a file whose first bytes are neither of torch's formats. An empty file or
-    one that cannot be opened counts only ``named_as_a_copy`` (``*.pt.*``: a copy just
-    begun may become one); any other name must begin as a torch file does."""
+def _may_be_torch_file(path: Path) -> bool:
+    """False only for a file whose first bytes are neither of torch's formats; an empty
+    file (a copy just begun) or one that cannot be opened may still become or be one."""
     try:
-        if path.stat().st_size == 0:
-            return named_as_a_copy
-        return bool(checkpoint_format(path))
+        return path.stat().st_size == 0 or bool(checkpoint_format(path))
     except NotACheckpointError:
         return False
     except OSError:
-        return named_as_a_copy
+        return True
+
+
+def _is_torch_archive(path: Path) -> bool:
+    """Whether ``path`` is a zip archive as torch.save writes it (``<name>/data.pkl``):
+    an index set aside under any name. Other archives (``.npz``, ``logs.zip``) are not."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return False
+        with zipfile.ZipFile(path) as archive:
+            return any(name.count("/") == 1 and name.endswith("/data.pkl")
+                       for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def remove_unreferenced_shards(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,6 @@ import torch
 from fairseq import utils
 
 from fairseq_shard_plugin.checkpoint.atomic_files import remove_partial_files, write_atomically
-from fairseq_shard_plugin.checkpoint.consolidate import TRAINING_CHECKPOINT_NAME
 from fairseq_shard_plugin.checkpoint.errors import (
     RESET_OPTIMIZER,
     CheckpointLoadError,
@@ -68,10 +68,12 @@ def save_full_checkpoint(
     logger.info(f"Saving checkpoint to {path}")
     state = _on_cpu_once(trainer.state_dict(filename, training_finished))
     state["extra_state"].update(extra_state)
-    held = os.path.dirname(path) == os.path.abspath(trainer.cfg.checkpoint.save_dir)
+    checkpoint_cfg = trainer.cfg.checkpoint
+    held = os.path.dirname(path) == os.path.abspath(checkpoint_cfg.save_dir)
+    written = re.compile(r"checkpoint(_last|_best|[0-9]+|_[0-9]+_[0-9]+|\.best_\S+?)"
+                         + re.escape(checkpoint_cfg.checkpoint_suffix or "") + r"\.pt")
     for leftover in remove_partial_files(  # the save dir is this run's (save_dir_claim)
-            os.path.dirname(path),
-            lambda name: held and TRAINING_CHECKPOINT_NAME.fullmatch(name) is not None):
+            os.path.dirname(path), lambda name: held and written.fullmatch(name) is not None):
         logger.warning(f"removed {leftover}, left by a save that was interrupted")
     write_atomically(path, lambda out: torch.save(state, out))
     logger.info(f"Finished saving checkpoint to {path}")
