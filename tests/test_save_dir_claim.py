@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,8 @@ def test_shard_directories_no_checkpoint_refers_to_are_removed_before_the_first_
                           "--save-interval-updates", "2"])
     run_training(first, nproc=1, plugin=True)
     (save_dir / "checkpoint_1_2.pt").rename(save_dir / "update2.ckpt")  # set aside
+    with zipfile.ZipFile(save_dir / "logs.zip", "w") as logs:  # an archive, but no index:
+        logs.writestr("train.log", "loss 9.8\n")  # it stopped every cleanup
     shards = save_dir / SHARDS_DIR
     kept = sorted(shards.iterdir())
     orphan = shards / "u3-18ee78e97eafec63"  # update 3's save, its index never written
