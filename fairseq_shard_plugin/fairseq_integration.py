@@ -564,7 +564,7 @@ def _refuse_a_damaged_file(path: str) -> None:
     local = Path(path)
     if "://" in path or not local.is_file():
         return
-    again = "copy it again from where it was saved (fairseq-shard-verify checks a file)"
+    again = "use an intact copy (fairseq-shard-verify FILE or SAVE_DIR checks them)"
     if is_truncated_zip(local):
         raise CheckpointLoadError(f"{path}: truncated checkpoint ({local.stat().st_size} bytes: "
                                   f"its end, the zip directory, is missing); {again}")
@@ -646,10 +646,11 @@ def _importing_the_plugin_once(stock_import: Callable[..., Any]) -> Callable[...
 
 
 def _name_another_copy(user_dir: str) -> None:
-    """A ``--user-dir`` (``common.user_dir``) of this plugin's name that is not the copy
-    already loaded (by the Hydra callback, or installed) is skipped, as fairseq skips a
-    module name imported before: said once, since a patched checkout does not run. (Not
-    refused: a non-editable install and the checkout it came from are two copies too.)"""
+    """A ``--user-dir`` (``common.user_dir``) of this plugin's name that is another copy
+    than the one already loaded (by the Hydra callback, or installed) is skipped, as
+    fairseq skips a module name imported before: said once, since a patched checkout does
+    not run. (Not refused: a non-editable install and the checkout it came from are two
+    copies too.)"""
     loaded = os.path.dirname(os.path.abspath(__file__))
     fairseq_dir = os.path.dirname(os.path.abspath(fairseq_utils.__file__))
     # where fairseq's import_user_module looks: the path, then beside fairseq's package
@@ -657,10 +658,11 @@ def _name_another_copy(user_dir: str) -> None:
                                     os.path.join(fairseq_dir, user_dir),
                                     os.path.join(fairseq_dir, "..", user_dir))
                   if os.path.exists(path)), None)
-    if found is None or not os.path.samefile(found, loaded):
-        what = "does not exist" if found is None else "is another copy of the plugin"
-        warn_once(f"--user-dir {user_dir} (common.user_dir) {what}: the plugin already loaded "
-                  f"(installed, or imported by the Hydra callback) runs, from {loaded}")
+    if found is not None and not os.path.samefile(found, loaded):  # (a name found nowhere
+        # is the configs' relative default, run from elsewhere: the loaded copy is meant)
+        warn_once(f"--user-dir {user_dir} (common.user_dir) is another copy of the plugin: "
+                  "the plugin already loaded (installed, or imported by the Hydra callback) "
+                  f"runs, from {loaded}")
 
 
 def _verifying_on_rank_zero(stock_verify: Callable[..., Any]) -> Callable[..., Any]:
@@ -752,7 +754,7 @@ def _how_to_resume(checkpoint_cfg: Any) -> str:
     last = os.path.join(checkpoint_cfg.save_dir, f"checkpoint_last{suffix}.pt")
     restore = checkpoint_cfg.restore_file
     loads = last if restore == "checkpoint_last.pt" else restore.replace(".pt", f"{suffix}.pt")
-    other_file = os.path.abspath(loads) != os.path.abspath(last)
+    other_file = os.path.realpath(loads) != os.path.realpath(last)  # (links resolved)
     resets = [f"--reset-{name.replace('_', '-')}"
               for name in ("optimizer", "lr_scheduler", "meters", "dataloader")
               if getattr(checkpoint_cfg, f"reset_{name}", False)]

@@ -73,7 +73,10 @@ CHECKED = {
         "--finetune-from-model", str(Path(__file__).parent)],
     "--finetune-from-model /nowhere/nllb.pt: no such file: give the path of an existing "
     "checkpoint file": ["--finetune-from-model", "/nowhere/nllb.pt"],
-    # fairseq's ValueError once the model was built, in a traceback
+    # fairseq's ValueErrors once the model was built, in a traceback
+    f"--finetune-from-model {Path(__file__)} and --restore-file {Path(__file__)} name two "
+    "checkpoints to start from: keep one": [
+        "--finetune-from-model", str(Path(__file__)), "--restore-file", str(Path(__file__))],
     "--finetune-from-model resets the optimizer, learning rate schedule, meters and data "
     "position itself: remove --reset-optimizer, --reset-meters (checkpoint.reset_*)": [
         "--finetune-from-model", str(Path(__file__)), "--reset-optimizer", "--reset-meters"],

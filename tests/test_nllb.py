@@ -303,9 +303,9 @@ def test_a_checkpoint_trained_with_a_lang_dict_stores_the_list(
     # without the training's language tokens it translated, differently, without a word
     assert generate(multilingual / "langs.txt", tokens=("--decoder-langtok",)) == (
         f"fairseq-shard-plugin: error: {tmp_path / 'checkpoint_last.pt'} was trained with "
-        "--encoder-langtok src, --decoder-langtok; this run has no --encoder-langtok, "
-        "--decoder-langtok: give the training's language-token flags (task.encoder_langtok, "
-        "task.decoder_langtok)")
+        "--encoder-langtok src, --decoder-langtok given; this run has --encoder-langtok not "
+        "given, --decoder-langtok given: give the training's language-token flags "
+        "(task.encoder_langtok, task.decoder_langtok)")
     # the nllb branch's tags on a checkpoint trained without them: torch's size-mismatch
     # traceback, where the shapes say what differs
     tagged = generate(multilingual / "langs.txt", "--add-data-source-prefix-tags")

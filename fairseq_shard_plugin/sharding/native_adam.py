@@ -98,7 +98,7 @@ def _built_library(compiler: list[str]) -> Path:
                              check=True).stdout
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
-                 _cpu_features().encode()):
+                 _cpu_features().encode(), shlex.join(compiler).encode()):  # (CC's own flags)
         key.update(part)
     directory = _cache_directory()
     path = directory / f"native_adam-{key.hexdigest()[:20]}.so"

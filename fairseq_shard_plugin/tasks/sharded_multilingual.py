@@ -88,8 +88,8 @@ def _check_language_tokens(path: str, trained: tuple[Any, bool] | None, args: An
         return
 
     def flags(tokens: tuple[Any, bool]) -> str:
-        encoder = f"--encoder-langtok {tokens[0]}" if tokens[0] else "no --encoder-langtok"
-        return f"{encoder}, {'' if tokens[1] else 'no '}--decoder-langtok"
+        return (f"--encoder-langtok {tokens[0] or 'not given'}, --decoder-langtok "
+                f"{'given' if tokens[1] else 'not given'}")
 
     raise MultilingualOptionError(
         f"{path} was trained with {flags(trained)}; this run has {flags(now)}: give the "

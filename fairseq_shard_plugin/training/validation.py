@@ -202,6 +202,11 @@ def _check_restore_file(checkpoint_cfg: Any) -> None:
         raise ShardingConfigError(
             f"--finetune-from-model resets the optimizer, learning rate schedule, meters and "
             f"data position itself: remove {', '.join(resets)} (checkpoint.reset_*)")
+    if finetune and restore != "checkpoint_last.pt":  # the same ValueError
+        raise ShardingConfigError(
+            f"--finetune-from-model {finetune} and --restore-file {restore} name two "
+            "checkpoints to start from: keep one (--finetune-from-model loads its file only "
+            "while the save dir has no checkpoint_last.pt)")
     last = os.path.join(checkpoint_cfg.save_dir, f"checkpoint_last{suffix}.pt")
     if finetune and "://" not in finetune and not os.path.exists(last):  # fairseq reads it
         _check_checkpoint_file("--finetune-from-model", finetune,
