@@ -184,6 +184,26 @@ def test_the_chunked_loss_trains_in_a_root_only_plan_as_stock(
                                    first(stock_tiny_run, key)) <= 1e-4
 
 
+def test_fconv_with_its_output_tied_to_the_embedding_trains_as_stock(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """--share-input-output-embed ties fconv's decoder.fc3 to its embedding: every rank
+    failed in FSDP's shared-parameter check (fc3 was left in the root)."""
+    args = training_args(corpus, tmp_path, 4, max_tokens=256) + [
+        "--arch", "fconv_iwslt_de_en", "--encoder-embed-dim", "32", "--decoder-embed-dim",
+        "32", "--decoder-out-embed-dim", "32", "--encoder-layers", "[(32, 3)] * 2",
+        "--decoder-layers", "[(32, 3)] * 2", "--share-input-output-embed", "--no-save"]
+    runs = in_threads({
+        "stock": lambda: run_training(args, nproc=2, plugin=False),
+        "sharded": lambda: run_training([*args, "--task", "sharded_translation"], nproc=2,
+                                        plugin=True)})
+    stock, sharded = result_of(runs, "stock"), result_of(runs, "sharded")
+    for key in ("loss", "gnorm"):
+        assert len(sharded.series("train_inner", key)) == 4
+        assert relative_difference(sharded.series("train_inner", key),
+                                   stock.series("train_inner", key)) <= 1e-4
+
+
 def test_gradient_accumulation_over_update_freq_matches_stock(corpus: Path, tmp_path: Path) -> None:
     """--update-freq 2 (the NLLB recipes', and what the out-of-memory advice suggests):
     each micro-batch's gradients reduce-scatter into the shards and add up there, giving

@@ -82,6 +82,21 @@ def test_a_tied_output_projection_of_another_class_joins_the_vocabulary_unit(
     assert not is_linear_layer(model.decoder.layers[0])  # a module with children
 
 
+def test_a_module_holding_the_embeddings_weight_under_another_name_joins_its_unit(
+    corpus: Path,
+) -> None:
+    """fconv's --share-input-output-embed ties decoder.fc3 to decoder.embed_tokens: fc3
+    stayed in the root, and FSDP refused a parameter shared by two units (a traceback)."""
+    model = build_model(corpus, "translation", "fconv_iwslt_de_en", [
+        "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+        "--decoder-out-embed-dim", "32", "--encoder-layers", "[(32, 3)] * 2",
+        "--decoder-layers", "[(32, 3)] * 2", "--share-input-output-embed"])
+    vocabulary = [unit for unit in build_plan(model).units if unit.vocabulary]
+    assert [unit.name for unit in vocabulary] == [
+        "encoder.embed_tokens", "decoder.embed_tokens+decoder.fc3"]
+    assert model.decoder.fc3 in vocabulary[1].modules
+
+
 def test_untied_embeddings_are_separate_units(corpus: Path) -> None:
     model = build_model(corpus, "translation", "transformer", SMALL)
     assert unit_names(model) == [

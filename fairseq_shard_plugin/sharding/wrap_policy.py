@@ -175,6 +175,7 @@ def build_plan(model: nn.Module, reshard: ReshardPolicy | None = None,
             p.requires_grad for p in module.parameters()
         ):
             candidates.append((name, module))
+    candidates += _tied_to(model, candidates, layer_prefixes)
     layer_units = [
         ShardUnit(group_name([n for n, _ in group]), tuple(m for _, m in group),
                   reshard_after_forward=reshard.layers)
@@ -190,6 +191,20 @@ def build_plan(model: nn.Module, reshard: ReshardPolicy | None = None,
             kept_gathered_because=(f"{reader} multiplies by its weight outside the module"
                                    if reader else "")))
     return ShardingPlan(units=tuple(layer_units + vocabulary), root=root)
+
+
+def _tied_to(model: nn.Module, candidates: list[tuple[str, nn.Module]],
+             layer_prefixes: list[str]) -> list[tuple[str, nn.Module]]:
+    """Modules outside the layers that hold a vocabulary module's parameter as their own
+    under another name (fconv's ``fc3`` and lstm's ``fc_out`` with
+    ``--share-input-output-embed``): they join its unit, which FSDP requires of modules
+    sharing a parameter (left in the root, the root's unit shared it with the vocabulary's)."""
+    shared = {id(p) for _, module in candidates for p in module.parameters()}
+    taken = {id(module) for _, module in candidates}
+    return [(name, module) for name, module in model.named_modules()
+            if name and id(module) not in taken
+            and not any(name.startswith(prefix) for prefix in layer_prefixes)
+            and any(id(p) in shared for p in module.parameters(recurse=False))]
 
 
 def _reads_weight_outside(model: nn.Module, modules: tuple[nn.Module, ...]) -> str:
