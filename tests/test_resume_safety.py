@@ -163,7 +163,7 @@ def test_optimizer_state_that_does_not_fit_is_refused_before_training(
 @pytest.mark.parametrize(("changed", "said"), [
     (("--share-all-embeddings", "--share-decoder-input-output-embed"),
      "its model shares parameters differently from this one (--share-all-embeddings on in the "
-     "checkpoint, off now), so its optimizer state does not fit (exp_avg of parameter "),
+     "checkpoint, off now), so its optimizer state does not fit (state for "),
     (("--adam-betas", "--momentum"), "its optimizer state is --optimizer adam's, this run has "
                                      "--optimizer nag; to train on from its weights")])
 def test_a_resume_with_other_ties_or_another_optimizer_names_the_flag(

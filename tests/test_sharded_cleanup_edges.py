@@ -211,3 +211,38 @@ def test_the_export_the_race_spared_still_works(at_update_2: Path) -> None:
     """Without a save in between, the same export is written."""
     written = consolidate.export_consolidated(at_update_2, at_update_2.parent / "model.pt")
     assert "model" in read_checkpoint(written)
+
+
+def test_an_index_set_aside_under_another_name_keeps_its_shards_in_either_format(
+    save_dir: Path, tmp_path: Path,
+) -> None:
+    """Any name counts for an index as torch.save writes it (zip or legacy format); a
+    TorchScript archive or an .npz beside it neither counts nor stops the cleanup."""
+    import numpy as np
+    import torch
+
+    index = read_checkpoint(save_dir / "checkpoint_1_2.pt")
+    torch.save(index, save_dir / "keep_me", _use_new_zipfile_serialization=False)
+    (save_dir / "checkpoint_1_2.pt").unlink()
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), save_dir / "model.ts")
+    np.savez(save_dir / "attention.npz", counts=np.arange(3))
+    kept = _shards_of(save_dir, "keep_me")
+    assert remove_unreferenced_shards(save_dir, read_checkpoint) == []
+    assert kept.is_dir()
+    (save_dir / "keep_me").rename(tmp_path / "keep_me")  # restored from elsewhere: kept
+    assert remove_unreferenced_shards(save_dir, read_checkpoint, also_kept=kept) == []
+    assert remove_unreferenced_shards(save_dir, read_checkpoint) == [kept]
+
+
+def test_the_reset_advice_counts_a_save_dir_whose_last_checkpoint_is_a_link(
+    tmp_path: Path,
+) -> None:
+    from fairseq_shard_plugin.checkpoint.errors import RESET_OPTIMIZER, keeping_the_save_dir
+
+    (tmp_path / "elsewhere.pt").write_bytes(b"")
+    (tmp_path / "save").mkdir()
+    (tmp_path / "save" / "checkpoint_last.pt").symlink_to(tmp_path / "elsewhere.pt")
+    advised = keeping_the_save_dir(f"x; {RESET_OPTIMIZER}", str(tmp_path / "save" /
+                                                               "checkpoint_last.pt"),
+                                   str(tmp_path / "save"))
+    assert RESET_OPTIMIZER not in advised and "--finetune-from-model" in advised

@@ -29,7 +29,8 @@ def keeping_the_save_dir(message: str, filename: str, save_dir: str) -> str:
     """``message`` where its advice to add --reset-optimizer concerns a checkpoint of the save
     dir itself (a resume): fairseq would then restart at update 0 and save over that save
     dir's checkpoints, so the advice says so and how to keep them."""
-    inside = os.path.dirname(os.path.realpath(filename)) == os.path.realpath(save_dir)
+    inside = (os.path.realpath(os.path.dirname(os.path.abspath(filename)))  # (the file
+              == os.path.realpath(save_dir))  # itself may be a link to elsewhere)
     if RESET_OPTIMIZER not in message or not inside:
         return message
     return message.replace(RESET_OPTIMIZER, (

@@ -272,21 +272,30 @@ def _may_be_torch_file(path: Path) -> bool:
         return True
 
 
+# how torch.save's legacy format begins: protocol 2, then its magic number as a long
+_LEGACY_TORCH_START = bytes.fromhex("80028a0a6cfc9c46f9206aa85019")
+
+
 def _is_torch_archive(path: Path) -> bool:
-    """Whether ``path`` is a zip archive as torch.save writes it (``<name>/data.pkl``):
-    an index set aside under any name. Other archives (``.npz``, ``logs.zip``) are not."""
+    """Whether ``path`` is a file as torch.save writes it (a zip holding ``<name>/data.pkl``,
+    or the legacy format's magic number): an index set aside under any name. Other archives
+    (``.npz``, ``logs.zip``) and TorchScript's (``<name>/code/``) are not."""
     try:
+        with open(path, "rb") as stream:
+            if stream.read(len(_LEGACY_TORCH_START)) == _LEGACY_TORCH_START:
+                return True
         if not zipfile.is_zipfile(path):
             return False
         with zipfile.ZipFile(path) as archive:
-            return any(name.count("/") == 1 and name.endswith("/data.pkl")
-                       for name in archive.namelist())
+            names = archive.namelist()
     except (OSError, zipfile.BadZipFile):
         return False
+    return (any(name.count("/") == 1 and name.endswith("/data.pkl") for name in names)
+            and not any("/code/" in name for name in names))
 
 
 def remove_unreferenced_shards(
-    save_dir: str | Path, read_index: Callable[[Path], Any]
+    save_dir: str | Path, read_index: Callable[[Path], Any], also_kept: Path | None = None
 ) -> list[Path]:
     """Delete the plugin's shard directories (:func:`is_plugin_shard_directory`) in
     ``save_dir/checkpoint_shards`` that no checkpoint file in ``save_dir`` refers to
@@ -297,12 +306,13 @@ def remove_unreferenced_shards(
     are listed through it, and only the directories the plugin wrote for this save dir
     among them are candidates (another save dir may share the scratch directory).
     A checkpoint that cannot be read might refer to any of them: then nothing is deleted,
-    and a warning names the file."""
+    and a warning names the file. ``also_kept``: a directory referred to from elsewhere (the
+    index a run was restored from, outside the save dir)."""
     save_dir = Path(save_dir)
     shards = save_dir / SHARDS_DIR
     if not shards.is_dir():
         return []
-    referenced = set()
+    referenced = {also_kept.resolve()} if also_kept is not None else set()
     for checkpoint in _possible_indexes(save_dir):
         try:
             index = read_index(checkpoint)

@@ -70,7 +70,8 @@ def save_full_checkpoint(
     state["extra_state"].update(extra_state)
     checkpoint_cfg = trainer.cfg.checkpoint
     held = os.path.dirname(path) == os.path.abspath(checkpoint_cfg.save_dir)
-    written = re.compile(r"checkpoint(_last|_best|[0-9]+|_[0-9]+_[0-9]+|\.best_\S+?)"
+    best = re.escape(checkpoint_cfg.best_checkpoint_metric)  # (checkpoint.best_loss_9.123)
+    written = re.compile(rf"checkpoint(_last|_best|[0-9]+|_[0-9]+_[0-9]+|\.best_{best}_-?[0-9.]+)"
                          + re.escape(checkpoint_cfg.checkpoint_suffix or "") + r"\.pt")
     for leftover in remove_partial_files(  # the save dir is this run's (save_dir_claim)
             os.path.dirname(path), lambda name: held and written.fullmatch(name) is not None):
@@ -108,8 +109,10 @@ def checkpoint_state(trainer: Any, stock_state: Callable[[], dict[str, Any]]) ->
 
 def after_save(trainer: Any) -> None:
     """On the saving rank, after a save (once fairseq has copied and pruned names) and
-    before the first update: drop the shard directories no checkpoint refers to."""
-    for directory in remove_unreferenced_shards(trainer.cfg.checkpoint.save_dir, _read_index):
+    before the first update: drop the shard directories no checkpoint refers to (keeping
+    the one the run was restored from, whose index may live elsewhere)."""
+    for directory in remove_unreferenced_shards(trainer.cfg.checkpoint.save_dir, _read_index,
+                                                getattr(trainer, "loaded_shards", None)):
         logger.info(f"removed {directory}: no checkpoint refers to it any more")
 
 

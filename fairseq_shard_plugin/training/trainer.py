@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from itertools import chain
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from fairseq_shard_plugin.checkpoint.errors import (
 )
 from fairseq_shard_plugin.checkpoint.fairscale_sets import first_rank_file
 from fairseq_shard_plugin.checkpoint.portable import languages_as_lists, with_plain_config
+from fairseq_shard_plugin.checkpoint.sharded import shard_directory
 from fairseq_shard_plugin.checkpoint.space import full_state_bytes, space_report
 from fairseq_shard_plugin.checkpoint.trainer_files import (
     after_save,
@@ -201,6 +203,7 @@ class ShardedTrainer(Trainer):
             watch_offloaded_state(lambda: self._memory_probe, self._model.parameters())
         self._space_reported = False  # see _report_checkpoint_space
         self._orphans_removed = False  # see _remove_orphaned_shards
+        self.loaded_shards: Path | None = None  # the restored sharded checkpoint's shards
         if self.is_data_parallel_master:
             prediction = log_predicted_peak(self._run_description, self.device, task,
                                             cfg.dataset.valid_subset)
@@ -393,6 +396,8 @@ class ShardedTrainer(Trainer):
             index = read_sharded_index(filename)
             if index is None:
                 verify_full_checkpoint(filename)
+            else:  # kept by the cleanups of this run, wherever its index lives
+                self.loaded_shards = shard_directory(filename, index)
             with implicit_replication(), loading_full_tensors_into_shards(self._model), \
                     loading_into_trainer(trainer_state_loader(self, reset_optimizer, record_ranks)):
                 extra_state = super().load_checkpoint(filename, *args, **kwargs)
