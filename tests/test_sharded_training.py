@@ -193,15 +193,7 @@ def test_fconv_with_its_output_tied_to_the_embedding_trains_as_stock(
         "--arch", "fconv_iwslt_de_en", "--encoder-embed-dim", "32", "--decoder-embed-dim",
         "32", "--decoder-out-embed-dim", "32", "--encoder-layers", "[(32, 3)] * 2",
         "--decoder-layers", "[(32, 3)] * 2", "--share-input-output-embed", "--no-save"]
-    runs = in_threads({
-        "stock": lambda: run_training(args, nproc=2, plugin=False),
-        "sharded": lambda: run_training([*args, "--task", "sharded_translation"], nproc=2,
-                                        plugin=True)})
-    stock, sharded = result_of(runs, "stock"), result_of(runs, "sharded")
-    for key in ("loss", "gnorm"):
-        assert len(sharded.series("train_inner", key)) == 4
-        assert relative_difference(sharded.series("train_inner", key),
-                                   stock.series("train_inner", key)) <= 1e-4
+    _trains_as_stock(args, updates=4)
 
 
 def test_gradient_accumulation_over_update_freq_matches_stock(corpus: Path, tmp_path: Path) -> None:
@@ -225,13 +217,18 @@ def test_adagrad_trains_sharded_as_stock(corpus: Path, tmp_path: Path) -> None:
     at = args.index("--adam-betas")
     args[args.index("adam")] = "adagrad"
     del args[at:at + 2]
+    _trains_as_stock(args, updates=5)
+
+
+def _trains_as_stock(args: list[str], updates: int) -> None:
+    """Stock legacy_ddp and the plugin (2 ranks each, at once): the same losses and norms."""
     runs = in_threads({
         "stock": lambda: run_training(args, nproc=2, plugin=False),
         "sharded": lambda: run_training([*args, "--task", "sharded_translation"], nproc=2,
                                         plugin=True)})
     stock, sharded = result_of(runs, "stock"), result_of(runs, "sharded")
     for key in ("loss", "gnorm"):
-        assert len(sharded.series("train_inner", key)) == 5
+        assert len(sharded.series("train_inner", key)) == updates
         assert relative_difference(sharded.series("train_inner", key),
                                    stock.series("train_inner", key)) <= 1e-4
 
