@@ -199,3 +199,22 @@ def test_processes_forked_while_it_is_held_do_not_hold_the_lock(tmp_path: Path) 
             except BlockingIOError:
                 os._exit(0)
         assert os.waitpid(child, 0)[1] == 0
+
+
+def test_the_shards_a_run_is_restored_from_stay_where_its_index_lives_elsewhere(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """An index outside the save dir whose checkpoint_shards is the save dir's (linked):
+    its shards were removed right after the load, at the first update."""
+    save_dir, other = tmp_path / "save", tmp_path / "other"
+    run_training(_plugin_args([*training_args(corpus, save_dir, max_update=2), *TINY,
+                               *SHARDED]), nproc=1, plugin=True)
+    other.mkdir()
+    (other / SHARDS_DIR).symlink_to(save_dir / SHARDS_DIR)
+    (save_dir / "checkpoint_last.pt").rename(other / "restored.pt")
+    for leftover in save_dir.glob("*.pt"):
+        leftover.unlink()
+    run_training(_plugin_args([*training_args(corpus, save_dir, max_update=3), *TINY,
+                               *SHARDED, "--restore-file", str(other / "restored.pt")]),
+                 nproc=1, plugin=True)
+    assert check(other / "restored.pt").intact

@@ -33,8 +33,11 @@ class StockOptimizerStateError(CheckpointLoadError):
 def layout_problem(saved: dict[str, Any], shapes: Sequence[torch.Size]) -> str | None:
     """Why per-parameter state ``saved`` does not fit parameters of ``shapes``, or None."""
     groups = saved.get("param_groups") or []
-    counted = sum(len(group.get("params", ())) for group in groups if isinstance(group, dict))
-    if groups and counted != len(shapes):  # torch's load_state_dict refuses it, unexplained
+    listed = [group["params"] for group in groups
+              if isinstance(group, dict) and isinstance(group.get("params"), list)]
+    counted = sum(len(params) for params in listed)
+    if listed and len(listed) == len(groups) and counted != len(shapes):
+        # (torch's load_state_dict would refuse it, unexplained)
         return f"state for {counted} parameters, {len(shapes)} in this model"
     for index, entry in saved.get("state", {}).items():
         if not isinstance(index, int) or not 0 <= index < len(shapes):

@@ -149,6 +149,14 @@ def _log_flags_taken_over(cfg: Any, settings: ShardingSettings) -> None:
                     "for single files, fairseq-shard-consolidate for one afterwards")
 
 
+def _among_the_save_dirs_indexes(filename: str, save_dir: str) -> bool:
+    """Whether the shard cleanups read ``filename`` as an index of ``save_dir`` (a file of
+    it, not hidden): else the shards a run was restored from would go at its first
+    cleanup (an index outside, its checkpoint_shards linked to the save dir's)."""
+    return (os.path.realpath(os.path.dirname(os.path.abspath(filename)))
+            == os.path.realpath(save_dir) and not os.path.basename(filename).startswith("."))
+
+
 def shard_groups(world_size: int, group_size: int) -> str:
     """``N ranks``, or for hybrid sharding the groups that each hold one sharded copy."""
     if group_size >= world_size:
@@ -203,7 +211,7 @@ class ShardedTrainer(Trainer):
             watch_offloaded_state(lambda: self._memory_probe, self._model.parameters())
         self._space_reported = False  # see _report_checkpoint_space
         self._orphans_removed = False  # see _remove_orphaned_shards
-        self.loaded_shards: Path | None = None  # the restored sharded checkpoint's shards
+        self.loaded_shards: Path | None = None  # shards restored from an index elsewhere
         if self.is_data_parallel_master:
             prediction = log_predicted_peak(self._run_description, self.device, task,
                                             cfg.dataset.valid_subset)
@@ -396,7 +404,8 @@ class ShardedTrainer(Trainer):
             index = read_sharded_index(filename)
             if index is None:
                 verify_full_checkpoint(filename)
-            else:  # kept by the cleanups of this run, wherever its index lives
+            elif not _among_the_save_dirs_indexes(filename, self.cfg.checkpoint.save_dir):
+                # its index lives where the cleanups do not look: they keep it for the run
                 self.loaded_shards = shard_directory(filename, index)
             with implicit_replication(), loading_full_tensors_into_shards(self._model), \
                     loading_into_trainer(trainer_state_loader(self, reset_optimizer, record_ranks)):
