@@ -252,9 +252,9 @@ def save_sharded(state: dict[str, Any], save_dir: str | Path, num_updates: int) 
 
 def _possible_indexes(save_dir: Path) -> list[Path]:
     """The files of ``save_dir`` that may be checkpoints, hence refer to shards: fairseq's
-    names (``*.pt``), and any other file whose first bytes may be a torch file's (a copy a
-    user set aside as ``checkpoint_last.pt.bak`` or ``update2.ckpt``, perhaps to restore it
-    later); not a checksum, notes or logs."""
+    names (``*.pt``), copies beside them (``*.pt.*``) whose first bytes may be a torch
+    file's, and any other file torch.save wrote (an index set aside as ``update2.ckpt``,
+    perhaps to restore it later); not a checksum, notes, logs or other archives."""
     return sorted(path for path in save_dir.iterdir() if not path.name.startswith(".")
                   and path.is_file() and (path.name.endswith(".pt")
                                           or (".pt." in path.name and _may_be_torch_file(path))
