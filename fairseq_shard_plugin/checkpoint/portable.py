@@ -89,12 +89,19 @@ def _stock_names(section: dict[str, Any] | None, names: dict[str, str],
     return section
 
 
+def config_entry(config: Any, key: str) -> Any:
+    """``config[key]`` of a mapping or an omegaconf config, ``config.key`` of a namespace,
+    else None (a saved checkpoint's config may be any of them)."""
+    if config is None:
+        return None
+    if hasattr(config, "get"):
+        return config.get(key)
+    return getattr(config, key, None)
+
+
 def _config_section(state: Any, key: str) -> Any:
     """``cfg.<key>`` of a saved state (dicts) or a loaded one (omegaconf), or None."""
-    cfg = state.get("cfg") if isinstance(state, dict) else None
-    if cfg is None:
-        return None
-    return cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
+    return config_entry(state.get("cfg") if isinstance(state, dict) else None, key)
 
 
 # what a language code may hold (eng_Latn, ar_AR, __en__, zh-Hans, en-US.x): word
@@ -103,27 +110,22 @@ _LANGUAGE_CODE = re.compile(r"[\w.@-]{1,64}")
 _LANGS_FILE_LIMIT = 1 << 20
 
 
-def _languages_of(section: Any) -> Any:
-    return section.get("langs") if isinstance(section, dict) else getattr(section, "langs", None)
 
 
 def stored_languages(state: Any) -> Any:
     """The checkpoint's ``cfg.task.langs`` as stored (a list, a ListConfig, or the path
     earlier versions stored), or None."""
-    return _languages_of(_config_section(state, "task"))
+    return config_entry(_config_section(state, "task"), "langs")
 
 
 def stored_language_tokens(state: Any) -> tuple[Any, bool] | None:
     """The checkpoint's ``--encoder-langtok`` and ``--decoder-langtok`` (``cfg.task``), or
     None where its task config has neither (another task)."""
     section = _config_section(state, "task")
-
-    def value(key: str) -> Any:
-        return section.get(key) if isinstance(section, dict) else getattr(section, key, None)
-
     if section is None or not any(_has(section, key) for key in LANGUAGE_TOKEN_OPTIONS):
         return None
-    return value("encoder_langtok"), bool(value("decoder_langtok"))
+    return (config_entry(section, "encoder_langtok"),
+            bool(config_entry(section, "decoder_langtok")))
 
 
 LANGUAGE_TOKEN_OPTIONS = ("encoder_langtok", "decoder_langtok")
@@ -165,9 +167,7 @@ def languages_as_lists(state: Any) -> Any:
     one (omegaconf)."""
     for key in ("task", "model"):
         section = _config_section(state, key)
-        langs = _languages_of(section)
-        lang_dict = (section.get("lang_dict") if isinstance(section, dict)
-                     else getattr(section, "lang_dict", None))
+        langs, lang_dict = config_entry(section, "langs"), config_entry(section, "lang_dict")
         if isinstance(langs, str):
             text = _file_text(langs)
             codes = _codes_in(text if text is not None else langs, one_a_line=False)

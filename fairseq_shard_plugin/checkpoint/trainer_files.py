@@ -28,7 +28,7 @@ from fairseq_shard_plugin.checkpoint.fairscale_sets import (
 )
 from fairseq_shard_plugin.checkpoint.fairscale_shards import consolidated_state, in_model_order
 from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
-from fairseq_shard_plugin.checkpoint.portable import stored_languages
+from fairseq_shard_plugin.checkpoint.portable import config_entry, stored_languages
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.sharded import (
     SHARDED_KEY,
@@ -251,9 +251,9 @@ def _refuse_misfit_optimizer_state(filename: str, state: dict[str, Any],
 def _refuse_another_optimizer(filename: str, state: dict[str, Any], optimizer_cfg: Any) -> None:
     """The state of another --optimizer (Adam's moments for NAG) failed at the first step, in
     the other optimizer's KeyError: the saved config names the optimizer that wrote it."""
-    saved = (_entry(_entry(state.get("cfg"), "optimizer"), "_name")
-             or _entry(state.get("args"), "optimizer"))
-    now = _entry(optimizer_cfg, "_name")
+    saved = (config_entry(config_entry(state.get("cfg"), "optimizer"), "_name")
+             or config_entry(state.get("args"), "optimizer"))
+    now = config_entry(optimizer_cfg, "_name")
     if "last_optimizer_state" in state and saved and now and saved != now:
         raise CheckpointLoadError(
             f"{filename}: its optimizer state is --optimizer {saved}'s, this run has "
@@ -266,23 +266,15 @@ _TIE_FLAGS = ("share_all_embeddings", "share_decoder_input_output_embed",
 
 def _tie_differences(state: dict[str, Any], model_cfg: Any) -> list[str]:
     """The tie flags the checkpoint's model config and ``model_cfg`` set differently."""
-    saved = _entry(state.get("cfg"), "model") or state.get("args")
+    saved = config_entry(state.get("cfg"), "model") or state.get("args")
 
     def on(value: Any) -> str:
         return "on" if value else "off"
 
     return [f"--{flag.replace('_', '-')} {on(before)} in the checkpoint, {on(now)} now"
             for flag in _TIE_FLAGS
-            if bool(before := _entry(saved, flag)) != bool(now := getattr(model_cfg, flag, None))]
-
-
-def _entry(config: Any, key: str) -> Any:
-    """``config[key]`` of a mapping or config, ``config.key`` of a namespace, else None."""
-    if config is None:
-        return None
-    if hasattr(config, "get"):
-        return config.get(key)
-    return getattr(config, key, None)
+            if bool(before := config_entry(saved, flag))
+            != bool(now := getattr(model_cfg, flag, None))]
 
 
 def _load_shards(
