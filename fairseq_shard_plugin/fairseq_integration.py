@@ -244,6 +244,7 @@ from fairseq_shard_plugin.training.validation import (
     check_batch_size,
     check_sharded_config,
     is_sharded_run,
+    reset_flags_given,
 )
 
 logger = logging.getLogger(__name__)
@@ -755,9 +756,7 @@ def _how_to_resume(checkpoint_cfg: Any) -> str:
     restore = checkpoint_cfg.restore_file
     loads = last if restore == "checkpoint_last.pt" else restore.replace(".pt", f"{suffix}.pt")
     other_file = os.path.realpath(loads) != os.path.realpath(last)  # (links resolved)
-    resets = [f"--reset-{name.replace('_', '-')}"
-              for name in ("optimizer", "lr_scheduler", "meters", "dataloader")
-              if getattr(checkpoint_cfg, f"reset_{name}", False)]
+    resets = reset_flags_given(checkpoint_cfg)
     if not other_file and not resets:
         return "the same command resumes from it"
     drop = " and ".join(([f"--restore-file {restore}"] if other_file else [])

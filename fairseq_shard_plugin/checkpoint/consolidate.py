@@ -31,7 +31,7 @@ from fairseq_shard_plugin.checkpoint.atomic_files import (
     describe_os_error,
     write_atomically,
 )
-from fairseq_shard_plugin.checkpoint.errors import describe_unreadable
+from fairseq_shard_plugin.checkpoint.errors import describe_unreadable, in_save_dir
 from fairseq_shard_plugin.checkpoint.fairscale_sets import (
     METADATA_KEY,
     FairscaleShardsError,
@@ -314,7 +314,7 @@ def export_target_problem(destination: str | Path, source: Path | None = None,
     if re.fullmatch(r"checkpoint_last\S*\.pt", destination.name):
         return "fairseq resumes training from checkpoint_last*.pt"
     if save_dir is not None and _TRAINING_NAME.fullmatch(destination.name) \
-            and destination.parent.resolve() == Path(save_dir).resolve():
+            and in_save_dir(str(destination), str(save_dir)):
         return f"{destination.name} is one of the training's own checkpoint names in {save_dir}"
     return None
 

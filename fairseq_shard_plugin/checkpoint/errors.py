@@ -25,13 +25,18 @@ class CheckpointLoadError(ShardPluginError, RuntimeError):
 RESET_OPTIMIZER = "add --reset-optimizer to start the optimizer afresh"
 
 
+def in_save_dir(filename: str, save_dir: str) -> bool:
+    """Whether ``filename`` is a file of ``save_dir`` itself (links to the directories
+    resolved; the file itself may be a link to elsewhere)."""
+    return (os.path.realpath(os.path.dirname(os.path.abspath(filename)))
+            == os.path.realpath(save_dir))
+
+
 def keeping_the_save_dir(message: str, filename: str, save_dir: str) -> str:
     """``message`` where its advice to add --reset-optimizer concerns a checkpoint of the save
     dir itself (a resume): fairseq would then restart at update 0 and save over that save
     dir's checkpoints, so the advice says so and how to keep them."""
-    inside = (os.path.realpath(os.path.dirname(os.path.abspath(filename)))  # (the file
-              == os.path.realpath(save_dir))  # itself may be a link to elsewhere)
-    if RESET_OPTIMIZER not in message or not inside:
+    if RESET_OPTIMIZER not in message or not in_save_dir(filename, save_dir):
         return message
     return message.replace(RESET_OPTIMIZER, (
         f"to train on from its weights with a fresh optimizer, give --finetune-from-model "

@@ -17,6 +17,7 @@ from fairseq_shard_plugin.checkpoint.errors import (
     RESET_OPTIMIZER,
     CheckpointLoadError,
     describe_shape_mismatch,
+    in_save_dir,
     state_dict_shapes,
     tensor_shapes,
 )
@@ -69,7 +70,7 @@ def save_full_checkpoint(
     state = _on_cpu_once(trainer.state_dict(filename, training_finished))
     state["extra_state"].update(extra_state)
     checkpoint_cfg = trainer.cfg.checkpoint
-    held = os.path.dirname(path) == os.path.abspath(checkpoint_cfg.save_dir)
+    held = in_save_dir(path, checkpoint_cfg.save_dir)
     best = re.escape(checkpoint_cfg.best_checkpoint_metric)  # (checkpoint.best_loss_9.123)
     written = re.compile(rf"checkpoint(_last|_best|[0-9]+|_[0-9]+_[0-9]+|\.best_{best}_-?[0-9.]+)"
                          + re.escape(checkpoint_cfg.checkpoint_suffix or "") + r"\.pt")

@@ -27,6 +27,7 @@ from fairseq_shard_plugin.checkpoint.errors import (
     CheckpointLoadError,
     describe_checkpoint_problem,
     first_cause,
+    in_save_dir,
     keeping_the_save_dir,
     state_dict_shapes,
 )
@@ -153,8 +154,7 @@ def _among_the_save_dirs_indexes(filename: str, save_dir: str) -> bool:
     """Whether the shard cleanups read ``filename`` as an index of ``save_dir`` (a file of
     it, not hidden): else the shards a run was restored from would go at its first
     cleanup (an index outside, its checkpoint_shards linked to the save dir's)."""
-    return (os.path.realpath(os.path.dirname(os.path.abspath(filename)))
-            == os.path.realpath(save_dir) and not os.path.basename(filename).startswith("."))
+    return in_save_dir(filename, save_dir) and not os.path.basename(filename).startswith(".")
 
 
 def shard_groups(world_size: int, group_size: int) -> str:

@@ -183,6 +183,13 @@ def unwritable_file(target: str) -> str | None:
     return None
 
 
+def reset_flags_given(checkpoint_cfg: Any) -> list[str]:
+    """fairseq's ``--reset-*`` flags the run gives, as flags."""
+    return ["--reset-" + flag.replace("_", "-")
+            for flag in ("optimizer", "lr_scheduler", "meters", "dataloader")
+            if getattr(checkpoint_cfg, f"reset_{flag}", False)]
+
+
 def _check_restore_file(checkpoint_cfg: Any) -> None:
     """An explicit ``--restore-file`` (or, on a first launch, ``--finetune-from-model``) that
     is not a file: fairseq would log "No existing checkpoint found" and train from scratch
@@ -195,9 +202,7 @@ def _check_restore_file(checkpoint_cfg: Any) -> None:
                                "an existing checkpoint, or leave --restore-file out to "
                                "resume from the save dir's checkpoint_last.pt")
     finetune = getattr(checkpoint_cfg, "finetune_from_model", None)
-    resets = ["--reset-" + flag.replace("_", "-")
-              for flag in ("optimizer", "lr_scheduler", "meters", "dataloader")
-              if getattr(checkpoint_cfg, f"reset_{flag}", False)]
+    resets = reset_flags_given(checkpoint_cfg)
     if finetune and resets:  # fairseq's ValueError, in a traceback once the model is built
         raise ShardingConfigError(
             f"--finetune-from-model resets the optimizer, learning rate schedule, meters and "
