@@ -31,6 +31,7 @@ _RANDOM_HEX_DIGITS = 12
 _LEFTOVER_NAME = re.compile(  # what _create_partial_file names (the place: since 2026-12-05)
     r"\.(?P<name>.+)" + re.escape(_PARTIAL_MARK)
     + rf"(?P<pid>[0-9]+)(?:@(?P<place>[0-9a-f]{{8}}))?-[0-9a-f]{{{_RANDOM_HEX_DIGITS}}}")
+_COPY_CHUNK = 1 << 20
 
 
 @functools.cache
@@ -43,7 +44,6 @@ def _this_place() -> str:
     except OSError:
         namespace = ""
     return hashlib.sha256(f"{socket.gethostname()}/{namespace}".encode()).hexdigest()[:8]
-_COPY_CHUNK = 1 << 20
 
 
 def _create_partial_file(path: Path) -> tuple[Path, BinaryIO]:

@@ -196,9 +196,9 @@ def build_plan(model: nn.Module, reshard: ReshardPolicy | None = None,
 def _tied_to(model: nn.Module, candidates: list[tuple[str, nn.Module]],
              layer_prefixes: list[str]) -> list[tuple[str, nn.Module]]:
     """Modules outside the layers that hold a vocabulary module's parameter as their own
-    under another name (fconv's ``fc3`` with ``--share-input-output-embed``): they join
-    its unit, which FSDP requires of modules
-    sharing a parameter (left in the root, the root's unit shared it with the vocabulary's)."""
+    under another name (fconv's ``fc3`` with ``--share-input-output-embed``): they join its
+    unit, as FSDP requires of modules sharing a parameter (left in the root, the root's
+    unit shared it with the vocabulary's)."""
     shared = {id(p) for _, module in candidates for p in module.parameters()}
     taken = {id(module) for _, module in candidates}
     return [(name, module) for name, module in model.named_modules()
