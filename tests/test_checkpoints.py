@@ -466,6 +466,24 @@ def test_a_save_dir_too_small_for_a_save_is_warned_about(tmp_path: Path) -> None
     assert not space_report("/ckpt", 100 * mib, "sharded", free_bytes=250 * mib)[1]
 
 
+@pytest.mark.parametrize("checkpoint_format, one_save, two_saves", [
+    ("sharded", 100, 200), ("full", 300, 500)])
+def test_room_for_one_save_only_is_warned_about(checkpoint_format: str, one_save: int,
+                                                two_saves: int) -> None:
+    """The second save needs room beside the first (runH #5: a 5 MiB disk took one 3.2 MiB
+    sharded save, and the next one failed hours later)."""
+    mib = 2**20
+    line, warning = space_report("/ckpt", 100 * mib, checkpoint_format,
+                                 free_bytes=(two_saves - 1) * mib)
+    assert warning and "room for one save, but the next one adds up to" in line
+    assert line.endswith("will fail; free space or pass another --save-dir")
+    assert "it will fail" not in line  # the first save fits
+    assert not space_report("/ckpt", 100 * mib, checkpoint_format,
+                            free_bytes=two_saves * mib)[1]
+    assert "room for one save" not in space_report(
+        "/ckpt", 100 * mib, checkpoint_format, free_bytes=(one_save - 1) * mib)[0]
+
+
 # ------------------------------------------------------------ consolidated export
 
 

@@ -2,7 +2,8 @@
 
 A full disk otherwise shows at the first save, which may come hours into a run. Once the
 first update has created the optimizer state, the saving rank logs how large a checkpoint
-of this run is and how much space the save dir has, and warns when a save will not fit.
+of this run is and how much space the save dir has, and warns when the first save or the
+one after it will not fit.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from torch.distributed.tensor import DTensor
 # format copies of it to checkpoint_last.pt and (when validation improves) checkpoint_best.pt;
 # in the sharded format those names are small indexes of one set of shards.
 COPIES_PER_SAVE = {"full": 3, "sharded": 1}
+# What the next save adds while the first one's files stay: in the full format the new
+# checkpoint file fairseq keeps (checkpoint2.pt) and the temporary copy that replaces
+# checkpoint_last.pt; in the sharded format its own shards, written before the previous
+# ones may be removed.
+COPIES_ADDED_BY_THE_NEXT_SAVE = {"full": 2, "sharded": 1}
 
 
 # What DCP writes per chunk (one rank's piece of one tensor) beside its bytes: torch.save's
@@ -74,17 +80,24 @@ def free_space(directory: str) -> int:
 
 def space_report(save_dir: str, checkpoint_bytes: int, checkpoint_format: str,
                  free_bytes: int | None = None) -> tuple[str, bool]:
-    """(the line to log, whether it is a warning: a save would not fit)."""
+    """(the line to log, whether it is a warning: the first save or the next would not fit)."""
     free = free_space(save_dir) if free_bytes is None else free_bytes
     needed = checkpoint_bytes * COPIES_PER_SAVE[checkpoint_format]
     stored = "fp32 " if checkpoint_format == "full" else ""  # sharded: as trained
     line = (f"checkpoints of this run: about {readable(checkpoint_bytes)} each "
             f"({stored}model and optimizer state, --checkpoint-format {checkpoint_format}); "
             f"{readable(free)} free in {save_dir}")
-    if free >= needed:
+    if free < needed:
+        copies = (" (the checkpoint, then copies to checkpoint_last.pt and checkpoint_best.pt; "
+                  "--checkpoint-format sharded writes it once)"
+                  if checkpoint_format == "full" else "")
+        return (f"{line}, but a save writes up to {readable(needed)}{copies}: it will fail; "
+                "free space or pass another --save-dir"), True
+    next_needs = checkpoint_bytes * COPIES_ADDED_BY_THE_NEXT_SAVE[checkpoint_format]
+    if free >= needed + next_needs:
         return line, False
-    copies = (" (the checkpoint, then copies to checkpoint_last.pt and checkpoint_best.pt; "
-              "--checkpoint-format sharded writes it once)" if checkpoint_format == "full"
-              else "")
-    return (f"{line}, but a save writes up to {readable(needed)}{copies}: it will fail; "
-            "free space or pass another --save-dir"), True
+    why = ("a new checkpoint file and a temporary copy for checkpoint_last.pt"
+           if checkpoint_format == "full"
+           else "its shards, before the previous save's may be removed")
+    return (f"{line}: room for one save, but the next one adds up to {readable(next_needs)} "
+            f"({why}) and will fail; free space or pass another --save-dir"), True
