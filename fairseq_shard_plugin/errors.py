@@ -13,8 +13,12 @@ the built-in base its callers relied on before (``ValueError``, ``RuntimeError``
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 from types import TracebackType
+from typing import NoReturn
 
 
 class ShardPluginError(Exception):
@@ -42,3 +46,27 @@ def report_in_one_line() -> None:
 
     hook._shard_plugin_hook = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def tell_the_launcher(line: str) -> None:
+    """Put ``line`` in the worker's error file under torchrun (``TORCHELASTIC_ERROR_FILE``,
+    the file torchrun gives each worker for this), so that torchrun's closing "Root Cause"
+    block names the error instead of a link to its documentation; nothing without it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as file:
+            json.dump({"message": {"message": line, "extraInfo": {  # torchrun's own layout
+                "py_callstack": line, "timestamp": str(int(time.time()))}}}, file)
+    except OSError:
+        pass  # the line is still on stderr
+
+
+def exit_with(line: str, status: int = 1, print_it: bool = True) -> NoReturn:
+    """End the process with ``line`` on stderr (unless ``print_it`` is False: the same line
+    comes from rank 0) and in torchrun's error file (:func:`tell_the_launcher`)."""
+    tell_the_launcher(line)
+    if print_it:
+        print(line, file=sys.stderr, flush=True)
+    sys.exit(status)

@@ -209,7 +209,7 @@ from fairseq_shard_plugin.checkpoint.portable import (
 from fairseq_shard_plugin.checkpoint.reading import NotACheckpointError, read_checkpoint
 from fairseq_shard_plugin.checkpoint.save_dir_claim import claimed_save_dir
 from fairseq_shard_plugin.checkpoint.stock_optimizer_state import give_to_stock_optimizer
-from fairseq_shard_plugin.errors import ShardPluginError
+from fairseq_shard_plugin.errors import ShardPluginError, exit_with, tell_the_launcher
 from fairseq_shard_plugin.memory.metrics import MaxMeter
 from fairseq_shard_plugin.sharding.options import (
     SHARDING_FLAGS,
@@ -385,33 +385,43 @@ def _settings_of(cfg: Any) -> Any:
     return ShardingSettings.from_config(cfg, dist.get_world_size(), use_cuda)
 
 
+def _checked_configuration(cfg: Any) -> bool:
+    """Apply the launcher's variables and check the configuration before fairseq starts;
+    whether the run is sharded (else the plugin's options without effect are named)."""
+    apply_torchrun_environment(cfg)
+    if not is_sharded_run(cfg):
+        check_any_backend(cfg)
+        unused = options_given(cfg.task)
+        if unused:
+            logger.warning(
+                f"{', '.join(unused)}: the plugin's options take effect only with "
+                f"--ddp-backend fully_sharded (this run: "
+                f"{cfg.distributed_training.ddp_backend})")
+        return False
+    untie_bf16_from_tpu(cfg)
+    allocator = default_allocator_setting(use_cuda=uses_cuda(cfg))
+    if allocator and distributed_utils.is_master(cfg.distributed_training):
+        logger.info(f"{allocator} (set by the plugin for sharded CUDA runs: less "
+                    "memory reserved beyond the peak; set the variable to choose)")
+    if take_use_sharded_state(cfg) and distributed_utils.is_master(cfg.distributed_training):
+        logger.info("--use-sharded-state: checkpoints in the plugin's sharded format "
+                    "(each rank writes its shards; checkpoint_last.pt indexes them)")
+    check_sharded_config(cfg)
+    check_batch_size(cfg)
+    return True
+
+
 def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[..., Any]:
     def call_main(cfg: Any, main: Callable[..., Any], **kwargs: Any) -> Any:
-        try:  # every one-line error, under any backend, the export's included
-            apply_torchrun_environment(cfg)
-            if not is_sharded_run(cfg):
-                check_any_backend(cfg)
-                unused = options_given(cfg.task)
-                if unused:
-                    logger.warning(
-                        f"{', '.join(unused)}: the plugin's options take effect only with "
-                        f"--ddp-backend fully_sharded (this run: "
-                        f"{cfg.distributed_training.ddp_backend})")
-                return stock_call_main(cfg, main, **kwargs)
-            untie_bf16_from_tpu(cfg)
-            allocator = default_allocator_setting(use_cuda=uses_cuda(cfg))
-            if allocator and distributed_utils.is_master(cfg.distributed_training):
-                logger.info(f"{allocator} (set by the plugin for sharded CUDA runs: less "
-                            "memory reserved beyond the peak; set the variable to choose)")
-            if take_use_sharded_state(cfg) and distributed_utils.is_master(
-                    cfg.distributed_training):
-                logger.info("--use-sharded-state: checkpoints in the plugin's sharded format "
-                            "(each rank writes its shards; checkpoint_last.pt indexes them)")
-            check_sharded_config(cfg)
-            check_batch_size(cfg)
-            return stock_call_main(cfg, _TrainThenExport(main), **kwargs)
+        try:  # the configuration's checks: the same on every rank of a node (its files)
+            sharded = _checked_configuration(cfg)
+        except ShardPluginError as error:  # one line a node, not one a rank
+            exit_with(f"fairseq-shard-plugin: error: {error}", print_it=launcher_rank(
+                names=("LOCAL_RANK", "SLURM_LOCALID")) in (None, 0))
+        try:  # every one-line error of the training and the export, on every rank
+            return stock_call_main(cfg, _TrainThenExport(main) if sharded else main, **kwargs)
         except ShardPluginError as error:
-            sys.exit(f"fairseq-shard-plugin: error: {error}")
+            exit_with(f"fairseq-shard-plugin: error: {error}")
 
     return _marked(call_main, stock_call_main)
 
@@ -701,14 +711,16 @@ def _short_parser_errors(stock_error: Callable[..., Any]) -> Callable[..., Any]:
             hints = [f"{word} is an option of --task sharded_translation and "
                      "sharded_translation_multi_simple_epoch" for word in wrong.split()
                      if word in SHARDING_FLAGS]
+        if hints:
+            hint = f" ({'; '.join(hints)})"
+        elif listed:  # argparse's own list: fairseq's --help lists no choice
+            hint = f" (choose from {listed}"
+        else:
+            hint = ""
+        line = f"{parser.prog}: error: {message}{hint}"
+        tell_the_launcher(line)
         if launcher_rank() in (None, 0):  # one line from rank 0, under torchrun or srun
-            if hints:
-                hint = f" ({'; '.join(hints)})"
-            elif listed:  # argparse's own list: fairseq's --help lists no choice
-                hint = f" (choose from {listed}"
-            else:
-                hint = ""
-            parser.exit(2, f"{parser.prog}: error: {message}{hint}\n")
+            parser.exit(2, f"{line}\n")
         parser.exit(2)
 
     return _marked(error, stock_error)

@@ -8,6 +8,7 @@ function (``validation.check_sharded_config``) on fairseq's own parse of the fla
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import subprocess
@@ -139,6 +140,14 @@ def launches(
     commands["typo on srun's rank 1"] = ["env", "-u", "RANK", "SLURM_PROCID=1",
                                          *commands["typo"]]
     save_dirs["typo on rank 1"] = save_dirs["typo on srun's rank 1"] = save_dirs["typo"]
+    for rank in (0, 1):  # as torchrun starts them: a worker's error file, its ranks
+        for case in ("--amp", "typo"):
+            name = f"{case} as torchrun's rank {rank}"
+            error_file = save_dirs[case].parent / f"error{rank}.json"
+            commands[name] = ["env", f"TORCHELASTIC_ERROR_FILE={error_file}", f"RANK={rank}",
+                              f"LOCAL_RANK={rank}", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
+                              "MASTER_PORT=29999", *commands[case]]
+            save_dirs[name] = error_file
     finished = run_concurrently(commands)
     return {name: (finished[name], save_dirs[name]) for name in commands}
 
@@ -185,6 +194,26 @@ def test_a_mistyped_flag_is_one_line_naming_the_closest_option(
     for other in ("typo on rank 1", "typo on srun's rank 1"):
         other_rank, _ = launches[other]
         assert other_rank.returncode == 2 and "error:" not in other_rank.stderr, other
+
+
+@pytest.mark.parametrize("case", ["--amp", "typo"])
+def test_torchrun_names_the_one_line_and_only_rank_zero_prints_it(
+    launches: dict[str, tuple[subprocess.CompletedProcess, Path]], case: str
+) -> None:
+    """The same line from every rank, then torchrun's "Root Cause" block with a link to its
+    docs: now one line a node, and the block names it (the worker's error file)."""
+    lines = []
+    for rank in (0, 1):
+        completed, error_file = launches[f"{case} as torchrun's rank {rank}"]
+        assert completed.returncode != 0
+        printed = [text for text in completed.stderr.splitlines() if "error:" in text]
+        assert len(printed) == (1 if rank == 0 else 0), completed.stderr[-2000:]
+        recorded = json.loads(error_file.read_text())["message"]
+        assert recorded["message"] == recorded["extraInfo"]["py_callstack"]
+        lines.append(recorded["message"])
+        if rank == 0:
+            assert printed == [recorded["message"]]
+    assert lines[0] == lines[1] and (case in lines[0] or TYPO in lines[0])
 
 
 @pytest.mark.parametrize(("case", "line"), [

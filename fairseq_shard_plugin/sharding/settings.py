@@ -73,10 +73,12 @@ def precision_name(common_cfg: Any) -> str:
         compute_dtype(common_cfg)]
 
 
-def launcher_rank(environ: Mapping[str, str] = os.environ) -> int | None:
+def launcher_rank(environ: Mapping[str, str] = os.environ,
+                  names: tuple[str, ...] = ("RANK", "SLURM_PROCID")) -> int | None:
     """This process's global rank as its launcher set it (torchrun's ``RANK``, else srun's
-    ``SLURM_PROCID``); None when no launcher said."""
-    for name in ("RANK", "SLURM_PROCID"):
+    ``SLURM_PROCID``; its rank on the node with ``LOCAL_RANK``, ``SLURM_LOCALID``); None
+    when no launcher said."""
+    for name in names:
         if environ.get(name, "").isdigit():
             return int(environ[name])
     return None

@@ -157,10 +157,10 @@ def apply_torchrun_environment(
         dist_cfg.device_id = int(environ.get("LOCAL_RANK", 0))
     else:
         dist_cfg.device_id = 0
-        if dist_cfg.distributed_backend != "gloo":
+        if dist_cfg.distributed_backend != "gloo" and dist_cfg.distributed_rank == 0:
             logger.info("CPU ranks: using the gloo backend instead of %s",
                         dist_cfg.distributed_backend)
-            dist_cfg.distributed_backend = "gloo"
+        dist_cfg.distributed_backend = "gloo"
 
 
 def ensure_process_group(cfg: Any, use_cuda: bool) -> None:
