@@ -610,6 +610,58 @@ def test_consolidate_command_writes_16_bit_weights_that_from_pretrained_loads(
     assert hub.translate(source, beam=2).split()
 
 
+def test_consolidate_averages_checkpoints_of_either_format_as_fairseqs_script(
+    corpus: Path, uninterrupted: tuple[RunResult, Path], crashes: dict, tmp_path: Path
+) -> None:
+    """NLLB averages its last checkpoints; fairseq's scripts/average_checkpoints.py cannot
+    read a sharded index. The mean of the update-20 and update-30 weights, from the full
+    checkpoints of the uninterrupted run and the sharded ones of the crashed-and-resumed
+    run (the same weights): fairseq's arithmetic (sum in the given order, then divide),
+    the tied weight once, and stock fairseq-generate without the plugin translates it."""
+    full_dir, sharded_dir = uninterrupted[1], crashes["save_dir"]
+    names = ["checkpoint_1_20.pt", "checkpoint_1_30.pt"]
+    averaged = {}
+    for label, folder in (("full", full_dir), ("sharded", sharded_dir)):
+        averaged[label] = tmp_path / f"{label}.pt"
+        cli_consolidate.main(["--average", *(str(folder / name) for name in names),
+                              str(averaged[label])])
+    states = [torch.load(full_dir / name, weights_only=True)["model"] for name in names]
+    expected = {key: (states[0][key] + states[1][key]).div_(2) for key in states[0]}
+    for label, path in averaged.items():
+        exported = torch.load(path, weights_only=True)
+        assert "last_optimizer_state" not in exported, label
+        assert equal_models(exported["model"], expected), label
+        storages = {exported["model"][name].untyped_storage().data_ptr() for name in TIED}
+        assert len(storages) == 1, label
+    stock = [part for part in generate_command(corpus, averaged["sharded"])
+             if part not in ("--user-dir", str(PLUGIN_DIR))]
+    finished = run_concurrently({"stock": stock})["stock"]
+    assert finished.returncode == 0 and hypotheses(finished), finished.stderr[-2000:]
+
+
+def test_consolidate_refuses_to_average_other_models_or_several_without_the_flag(
+    uninterrupted: tuple[RunResult, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    save_dir = uninterrupted[1]
+    other = tmp_path / "other.pt"
+    state = torch.load(save_dir / "checkpoint_1_20.pt", weights_only=True)
+    del state["model"]["decoder.layers.0.fc1.bias"]
+    torch.save(state, other)
+    out = tmp_path / "model.pt"
+    with pytest.raises(SystemExit) as refused:
+        cli_consolidate.main(["--average", str(save_dir / "checkpoint_1_30.pt"), str(other),
+                              str(out)])
+    assert str(refused.value) == (
+        f"fairseq-shard-consolidate: error: cannot average {save_dir / 'checkpoint_1_30.pt'} "
+        f"and {other}: decoder.layers.0.fc1.bias is in {save_dir / 'checkpoint_1_30.pt'} but "
+        f"not in {other} (another model)")
+    with pytest.raises(SystemExit):
+        cli_consolidate.main([str(save_dir / "checkpoint_1_30.pt"), str(other), str(out)])
+    assert ("2 checkpoints given: add --average to export the mean of their weights"
+            in capsys.readouterr().err)
+    assert not out.exists() and not list(tmp_path.glob(".model.pt*"))
+
+
 @pytest.mark.parametrize(
     ("damage", "named"),
     [("truncated", "checkpoint_last.pt: unreadable checkpoint ("),

@@ -31,6 +31,7 @@ from fairseq_shard_plugin.checkpoint.atomic_files import (
     describe_os_error,
     write_atomically,
 )
+from fairseq_shard_plugin.checkpoint.averaging import AveragingError, averaged_model
 from fairseq_shard_plugin.checkpoint.errors import describe_unreadable, in_save_dir
 from fairseq_shard_plugin.checkpoint.fairscale_sets import (
     METADATA_KEY,
@@ -385,18 +386,36 @@ def export_consolidated(
 ) -> Path:
     """Write the inference checkpoint of ``source`` to ``destination`` (atomically), one
     tensor at a time; refused where :func:`export_target_problem` says so."""
-    path = resolve_checkpoint(source)
-    problem = export_target_problem(destination, source=path)
-    if problem:
-        raise ConsolidateError(f"refusing to write the export to {destination}: {problem}; "
-                               "name another file (e.g. model.pt)")
-    unchanged = _Unchanged(path)
-    try:
-        exported, plan = _export_plan(path, dtype)
-    except Exception as error:
-        if not isinstance(error, (ShardPluginError, OSError)) and not unchanged.changed():
-            raise  # neither a problem of the checkpoint nor a training's save: a bug
-        raise unchanged.explain(error) from error
+    return export_checkpoints([source], destination, dtype)
+
+
+def export_checkpoints(
+    sources: list[str | Path], destination: str | Path, dtype: torch.dtype | None = None
+) -> Path:
+    """:func:`export_consolidated` of one source, or of the mean of several sources'
+    weights (:mod:`.averaging`), with the first one's config."""
+    paths = [resolve_checkpoint(source) for source in sources]
+    for path in paths:
+        problem = export_target_problem(destination, source=path)
+        if problem:
+            raise ConsolidateError(f"refusing to write the export to {destination}: "
+                                   f"{problem}; name another file (e.g. model.pt)")
+    watched = [_Unchanged(path) for path in paths]
+    plans = []
+    for watch in watched:
+        try:
+            plans.append(_export_plan(watch.path, dtype if len(paths) == 1 else None))
+        except Exception as error:
+            if not isinstance(error, (ShardPluginError, OSError)) and not watch.changed():
+                raise  # neither a problem of the checkpoint nor a training's save: a bug
+            raise watch.explain(error) from error
+    exported, plan = plans[0]
+    if len(plans) > 1:
+        try:
+            model = averaged_model(paths, [state["model"] for state, _ in plans], dtype)
+        except AveragingError as error:
+            raise ConsolidateError(str(error)) from None
+        exported = dict(exported, model=model)
     exported = portable_state(exported)
     for note in stock_fairseq_notes(exported):
         logger.warning(note)
@@ -409,9 +428,11 @@ def export_consolidated(
     try:
         def write(out: Any) -> None:
             write_checkpoint(out, exported, plan)
-            unchanged.check()  # before the export takes its name
+            for watch in watched:
+                watch.check()  # before the export takes its name
 
         write_atomically(destination, write)
     except StoredTensorError as error:
-        raise unchanged.explain(error) from None
+        changed = next((watch for watch in watched if watch.changed()), watched[0])
+        raise changed.explain(error) from None
     return destination
