@@ -224,6 +224,7 @@ from fairseq_shard_plugin.training.final_saves import (
     config_for_a_signal_save,
     ends_without_a_save,
 )
+from fairseq_shard_plugin.training.hydra_keys import in_hydra_keys, running_under_hydra
 from fairseq_shard_plugin.training.launch_env import (
     apply_torchrun_environment,
     default_allocator_setting,
@@ -411,17 +412,23 @@ def _checked_configuration(cfg: Any) -> bool:
     return True
 
 
+def _error_line(error: ShardPluginError, cfg: Any) -> str:
+    """The line that ends the run: under fairseq-hydra-train, flags named as its keys."""
+    message = in_hydra_keys(str(error), cfg) if running_under_hydra() else str(error)
+    return f"fairseq-shard-plugin: error: {message}"
+
+
 def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[..., Any]:
     def call_main(cfg: Any, main: Callable[..., Any], **kwargs: Any) -> Any:
         try:  # the configuration's checks: the same on every rank of a node (its files)
             sharded = _checked_configuration(cfg)
         except ShardPluginError as error:  # one line a node, not one a rank
-            exit_with(f"fairseq-shard-plugin: error: {error}", print_it=launcher_rank(
+            exit_with(_error_line(error, cfg), print_it=launcher_rank(
                 names=("LOCAL_RANK", "SLURM_LOCALID")) in (None, 0))
         try:  # every one-line error of the training and the export, on every rank
             return stock_call_main(cfg, _TrainThenExport(main) if sharded else main, **kwargs)
         except ShardPluginError as error:
-            exit_with(f"fairseq-shard-plugin: error: {error}")
+            exit_with(_error_line(error, cfg))
 
     return _marked(call_main, stock_call_main)
 

@@ -203,6 +203,12 @@ def test_every_plugin_option_is_listed_in_the_configs(config: str) -> None:
     ("criterion.loss_chunk_tokens=abc",  # the callback checked task.* only
      "criterion.loss_chunk_tokens: Value 'abc' of type 'str' could not be converted to "
      "Integer"),
+    # the plugin's checks before training name fairseq-train's flags: written as the keys
+    ("task.layers_per_unit=0",
+     "task.layers_per_unit 0: give 1 (every layer its own unit) or more"),
+    ("common.amp=true",
+     "common.amp is not supported with distributed_training.ddp_backend fully_sharded: use "
+     "common.fp16 or common.bf16"),
     ("task._name=translation",  # stock's task to compare, the config's plugin keys kept
      "task.shard_engine: not an option of task translation: an option of the plugin's "
      "tasks, not of translation (task._name=sharded_translation or "
@@ -324,3 +330,18 @@ def test_a_finetune_run_without_its_checkpoint_stops_in_one_line(tmp_path: Path)
         "resolving interpolation: \"Environment variable 'FINETUNE_FROM_MODEL' not found\"; "
         "give it on the command line (checkpoint.finetune_from_model=...) or set what it "
         "refers to")
+
+
+def test_flags_in_errors_are_named_by_the_group_that_owns_the_key() -> None:
+    """fairseq interpolates common.seed into task.seed and optimization.lr into
+    optimizer.lr: the line names the key to set; flags of no key stay as they are."""
+    from fairseq_shard_plugin.training.hydra_keys import in_hydra_keys
+
+    job = {"task": {"seed": 1, "layers_per_unit": 0, "_name": "sharded_translation"},
+           "optimizer": {"lr": [0.1]}, "common": {"seed": 1}, "optimization": {"lr": [0.1]},
+           "model": argparse.Namespace(share_all_embeddings=True)}
+    assert in_hydra_keys(
+        "--seed, --lr, --layers-per-unit 0 and --share-all-embeddings; torchrun "
+        "--nproc_per_node 2, /data/a--seed", job) == (
+        "common.seed, optimization.lr, task.layers_per_unit 0 and "
+        "model.share_all_embeddings; torchrun --nproc_per_node 2, /data/a--seed")

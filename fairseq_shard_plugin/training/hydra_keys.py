@@ -1,0 +1,65 @@
+"""Errors in the names a ``fairseq-hydra-train`` user writes: config keys, not flags.
+
+The plugin's one-line errors name ``fairseq-train``'s flags (``--layers-per-unit 0: give 1
+...``). Under Hydra the same setting is ``task.layers_per_unit``, so before such a line is
+printed :func:`in_hydra_keys` writes every flag that is a key of the job's config as that
+key. A key fairseq interpolates into several groups (``seed`` into ``task``, ``lr`` into
+``optimizer``) is named in the group that owns it: fairseq's fixed groups (``common``,
+``dataset``, ``checkpoint``, ...) before the component ones (``task``, ``model``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+_FLAG = re.compile(r"(?<![\w-])--([a-z0-9][a-z0-9-]*)")
+
+
+def running_under_hydra() -> bool:
+    """Whether this process is a Hydra job (``fairseq-hydra-train``)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return False
+    return HydraConfig.initialized()
+
+
+def _fixed_groups() -> list[str]:
+    """fairseq's config groups whose keys are declared in ``FairseqConfig`` itself, in its
+    order (the component groups' keys depend on the task, model, ... chosen)."""
+    from fairseq.dataclass.configs import FairseqConfig
+
+    return [field.name for field in dataclasses.fields(FairseqConfig)
+            if dataclasses.is_dataclass(field.type) or (
+                isinstance(field.default_factory, type)
+                and dataclasses.is_dataclass(field.default_factory))]
+
+
+def config_keys_by_flag(cfg: Mapping[str, Any]) -> dict[str, str]:
+    """``--flag-name`` -> ``group.flag_name`` for every key of the config's groups."""
+    fixed = _fixed_groups()
+    groups = [*fixed, *(name for name in cfg if name not in fixed)]
+    keys: dict[str, str] = {}
+    for group in groups:
+        for key in _keys_of(cfg.get(group)):
+            if isinstance(key, str) and not key.startswith("_"):
+                keys.setdefault("--" + key.replace("_", "-"), f"{group}.{key}")
+    return keys
+
+
+def _keys_of(section: Any) -> list[Any]:
+    """A group's keys: a mapping's (DictConfig), or a Namespace's (a model of fairseq's
+    older architectures), else none."""
+    if isinstance(section, argparse.Namespace):
+        return list(vars(section))
+    return list(section.keys()) if hasattr(section, "keys") else []
+
+
+def in_hydra_keys(message: str, cfg: Mapping[str, Any]) -> str:
+    """``message`` with each flag that names a key of ``cfg`` written as that key."""
+    keys = config_keys_by_flag(cfg)
+    return _FLAG.sub(lambda found: keys.get(found.group(0), found.group(0)), message)
