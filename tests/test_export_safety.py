@@ -43,16 +43,29 @@ def save_dir(tmp_path: Path) -> Path:
     ("checkpoint_last.pt", "it is the checkpoint being exported"),
     ("checkpoint_1_4.pt", "it holds a training checkpoint (optimizer state)"),
     ("../elsewhere/checkpoint_last.pt", "fairseq resumes training from checkpoint_last*.pt"),
+    # new names of fairseq's kinds beside the source: its --keep-* pruning would count them
+    ("checkpoint_30_600.pt", "checkpoint_30_600.pt is one of the training's own checkpoint "
+     "names in"),
+    ("checkpoint77.pt", "checkpoint77.pt is one of the training's own checkpoint names in"),
+    ("fifo", "it is a FIFO, which the export would replace with a file"),
+    ("link_to_fifo", "it is a FIFO, which the export would replace with a file"),
 ])
 def test_an_export_never_replaces_training_state(save_dir: Path, output: str,
                                                  problem: str) -> None:
-    before = {p.name: p.read_bytes() for p in save_dir.iterdir()}
+    """An export as root to /dev/null replaced the device with a file (inferT #1)."""
+    if output in ("fifo", "link_to_fifo"):
+        os.mkfifo(save_dir.parent / "fifo")
+        (save_dir / "link_to_fifo").symlink_to(save_dir.parent / "fifo")
+        output = "../fifo" if output == "fifo" else output
+    before = {p.name: p.read_bytes() if p.is_file() else None for p in save_dir.iterdir()}
     with pytest.raises(consolidate.ConsolidateError, match=(
             f"refusing to write the export to {save_dir / output}: {problem}").replace(
                 "(", r"\(").replace(")", r"\)").replace("*", r"\*")):
         consolidate.export_consolidated(save_dir, save_dir / output)
-    assert {p.name: p.read_bytes() for p in save_dir.iterdir()} == before
+    assert {p.name: p.read_bytes() if p.is_file() else None
+            for p in save_dir.iterdir()} == before
     assert not (save_dir.parent / "elsewhere").exists()
+    assert not (save_dir.parent / "fifo").exists() or (save_dir.parent / "fifo").is_fifo()
 
 
 def test_an_export_never_replaces_a_shard_file_or_a_file_that_is_not_a_checkpoint(

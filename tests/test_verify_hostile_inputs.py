@@ -277,3 +277,16 @@ def test_verify_refuses_a_checksummed_symlink_out_in_one_line(
                                    f"{directory / 'extra.distcp'}, which resolves to "
                                    f"{outside}, outside its directory"), verdict.line
     assert reads.paths == []
+
+
+def test_a_fifo_given_to_verify_is_named_for_what_it_is(tmp_path: Path) -> None:
+    """It said "no such file or directory" for a FIFO that exists (inferT #6)."""
+    from fairseq_shard_plugin.checkpoint.verify import checkpoint_files
+
+    fifo = tmp_path / "pipe.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(FileNotFoundError, match=f"^{fifo}: not a regular file or directory$"):
+        checkpoint_files([str(fifo)])
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        checkpoint_files([str(tmp_path / "gone.pt")])
+    assert checkpoint_files([str(tmp_path)]) == []  # a FIFO in a save dir is skipped

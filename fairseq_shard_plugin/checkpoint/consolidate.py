@@ -281,6 +281,17 @@ def _replaceable(path: Path) -> bool:
         return False
 
 
+def _special_file(path: Path) -> str | None:
+    """What ``path`` (or the file it links to) is when it exists and is neither a regular
+    file nor a directory: an export renamed over ``/dev/null`` replaced the device."""
+    for kind, test in (("a character device", path.is_char_device),
+                       ("a block device", path.is_block_device), ("a FIFO", path.is_fifo),
+                       ("a socket", path.is_socket)):
+        if test():
+            return kind
+    return None
+
+
 def _inside_a_shard_directory(destination: Path) -> Path | None:
     """The shard directory (one holding the plugin's marker) ``destination`` lies in."""
     folder = destination.parent.resolve()
@@ -304,6 +315,9 @@ def export_target_problem(destination: str | Path, source: Path | None = None,
     if shards is not None:
         return (f"it is inside {shards}, where a sharded checkpoint keeps its shards "
                 "(replacing a file there damages it)")
+    special = _special_file(destination)
+    if special:
+        return f"it is {special}, which the export would replace with a file"
     if destination.is_symlink() or destination.is_file():
         if source is not None and destination.exists() and os.path.samefile(destination,
                                                                             source):
@@ -395,8 +409,8 @@ def export_checkpoints(
     """:func:`export_consolidated` of one source, or of the mean of several sources'
     weights (:mod:`.averaging`), with the first one's config."""
     paths = [resolve_checkpoint(source) for source in sources]
-    for path in paths:
-        problem = export_target_problem(destination, source=path)
+    for path in paths:  # the source's folder is a save dir: its checkpoint names refused
+        problem = export_target_problem(destination, source=path, save_dir=path.parent)
         if problem:
             raise ConsolidateError(f"refusing to write the export to {destination}: "
                                    f"{problem}; name another file (e.g. model.pt)")

@@ -163,6 +163,8 @@ def checkpoint_files(sources: Sequence[str]) -> list[Path]:
             files.extend(sorted(p for p in path.glob("*.pt") if p.is_file()))
         elif path.is_file():
             files.append(path)
+        elif path.exists():  # a FIFO, a device: reading it could block, and it is no file
+            raise FileNotFoundError(f"{path}: not a regular file or directory")
         else:
             raise FileNotFoundError(f"{path}: no such file or directory")
     return files

@@ -38,10 +38,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                            help="store floating-point weights in bf16")
     args = parser.parse_args(argv)
     if len(args.sources) > 1 and not args.average:
-        parser.error(f"{len(args.sources)} checkpoints given: add --average to export the mean "
-                     "of their weights, or give one")
+        sys.exit(f"fairseq-shard-consolidate: error: {len(args.sources)} checkpoints given: "
+                 "add --average to export the mean of their weights, or give one")
     if args.average and len(args.sources) < 2:
-        parser.error("--average needs two or more checkpoints")
+        sys.exit("fairseq-shard-consolidate: error: --average needs two or more checkpoints")
     allow_fairseq_checkpoint_types()
     try:
         written = export_checkpoints(args.sources, args.out, _DTYPES[args.dtype])
