@@ -154,6 +154,13 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
     ``SLURM_PROCID``); without a launcher, as fairseq does. A save dir that cannot be
     written ends the run in one line there, instead of fairseq's traceback.
 
+13. ``TranslationMultiSimpleEpochTask.build_model`` (``fairseq.tasks``): with the plugin
+    loaded (it reads the sharded index), generation under fairseq's own task name with
+    another ``--langs`` order or other language-token flags than the training's translated
+    differently, exit status 0. Built from a checkpoint, the stock task's model is checked
+    as the plugin's task checks its own (``tasks.sharded_multilingual``): one line naming
+    the training's values.
+
 Signatures that differ between fairseq 0.12 and the nllb branch (extra keyword arguments of
 ``fsdp_enable_wrap``, ``save_checkpoint``, ``load_checkpoint_to_cpu``, ``Trainer.state_dict``
 and ``Trainer.save_checkpoint``) are passed through, so both work.
@@ -785,6 +792,22 @@ def _how_to_resume(checkpoint_cfg: Any) -> str:
             "only once)")
 
 
+def _checking_the_languages(stock_build: Callable[..., Any]) -> Callable[..., Any]:
+    """Replaces ``TranslationMultiSimpleEpochTask.build_model`` (hook 13)."""
+    from fairseq_shard_plugin.tasks.sharded_multilingual import (
+        ShardedTranslationMultiSimpleEpochTask,
+        check_the_checkpoints_languages,
+    )
+
+    def build_model(self: Any, cfg: Any, from_checkpoint: bool = False, *args: Any,
+                    **kwargs: Any) -> Any:
+        if from_checkpoint and not isinstance(self, ShardedTranslationMultiSimpleEpochTask):
+            check_the_checkpoints_languages(self, cfg)  # the plugin's task checks its own
+        return stock_build(self, cfg, from_checkpoint, *args, **kwargs)
+
+    return _marked(build_model, stock_build)
+
+
 def _train_modules() -> list[Any]:
     """``fairseq_cli.train``, and ``__main__`` when run as ``python -m fairseq_cli.train``."""
     modules = [train_cli]
@@ -793,6 +816,12 @@ def _train_modules() -> list[Any]:
     if main is not None and spec_name == train_cli.__name__:
         modules.append(main)
     return modules
+
+
+def _multilingual_task() -> type:
+    from fairseq.tasks.translation_multi_simple_epoch import TranslationMultiSimpleEpochTask
+
+    return TranslationMultiSimpleEpochTask
 
 
 def _unhookable() -> list[str]:
@@ -810,6 +839,7 @@ def _unhookable() -> list[str]:
         # the private methods ShardedTrainer overrides (hook 2)
         (Trainer, "_build_optimizer"),
         (Trainer, "_reduce_and_log_stats"),
+        (_multilingual_task(), "build_model"),  # hook 13
     ]
     if hasattr(checkpoint_utils, "torch_load_cpu"):  # nllb branch only
         required.append((checkpoint_utils, "torch_load_cpu"))
@@ -891,6 +921,9 @@ def install() -> None:
             checkpoint_utils.verify_checkpoint_directory)
     if not _is_plugin_hook(distributed_utils.call_main):
         distributed_utils.call_main = _with_launcher_environment(distributed_utils.call_main)
+    multilingual = _multilingual_task()
+    if not _is_plugin_hook(multilingual.build_model):
+        multilingual.build_model = _checking_the_languages(multilingual.build_model)
     if not _is_plugin_hook(argparse.ArgumentParser.error):
         argparse.ArgumentParser.error = _short_parser_errors(  # type: ignore[method-assign]
             argparse.ArgumentParser.error)

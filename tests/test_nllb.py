@@ -283,12 +283,12 @@ def test_a_checkpoint_trained_with_a_lang_dict_stores_the_list(
     reordered.write_text("".join(f"{code}\n" for code in reversed(codes)))
 
     def generate(lang_dict: Path, *flags: str,
-                 tokens: tuple[str, ...] = ("--encoder-langtok", "src", "--decoder-langtok")
-                 ) -> str:
+                 tokens: tuple[str, ...] = ("--encoder-langtok", "src", "--decoder-langtok"),
+                 task: str = "sharded_translation_multi_simple_epoch") -> str:
         generated = run_command([
             tool("fairseq-generate"), str(multilingual), "--path",
             str(tmp_path / "checkpoint_last.pt"), "--cpu", "--user-dir", str(PLUGIN_DIR),
-            "--task", "sharded_translation_multi_simple_epoch", "--lang-dict", str(lang_dict),
+            "--task", task, "--lang-dict", str(lang_dict),
             "--lang-pairs", "-".join(codes[:2]), "--source-lang", codes[0], "--target-lang",
             codes[1], *tokens, "--gen-subset", "valid",
             "--beam", "1", "--max-tokens", "1000", *flags])
@@ -296,16 +296,19 @@ def test_a_checkpoint_trained_with_a_lang_dict_stores_the_list(
         assert "Traceback" not in generated.stderr, generated.stderr[-3000:]
         return generated.stderr.strip().splitlines()[-1]
 
-    assert generate(reordered).startswith(
-        "fairseq-shard-plugin: error: the checkpoint's language tokens are numbered by its "
-        "training's --langs, and this run's list differs (the same languages in another "
-        "order)")
-    # without the training's language tokens it translated, differently, without a word
-    assert generate(multilingual / "langs.txt", tokens=("--decoder-langtok",)) == (
-        f"fairseq-shard-plugin: error: {tmp_path / 'checkpoint_last.pt'} was trained with "
-        "--encoder-langtok src, --decoder-langtok given; this run has --encoder-langtok not "
-        "given, --decoder-langtok given: give the training's language-token flags "
-        "(task.encoder_langtok, task.decoder_langtok)")
+    # fairseq's own task name with the plugin loaded translated differently, exit 0 (hook 13)
+    for task in ("sharded_translation_multi_simple_epoch", "translation_multi_simple_epoch"):
+        assert generate(reordered, task=task).startswith(
+            "fairseq-shard-plugin: error: the checkpoint's language tokens are numbered by its "
+            "training's --langs, and this run's list differs (the same languages in another "
+            "order)")
+        # without the training's language tokens it translated, differently, without a word
+        assert generate(multilingual / "langs.txt", tokens=("--decoder-langtok",),
+                        task=task) == (
+            f"fairseq-shard-plugin: error: {tmp_path / 'checkpoint_last.pt'} was trained with "
+            "--encoder-langtok src, --decoder-langtok given; this run has --encoder-langtok "
+            "not given, --decoder-langtok given: give the training's language-token flags "
+            "(task.encoder_langtok, task.decoder_langtok)")
     # the nllb branch's tags on a checkpoint trained without them: torch's size-mismatch
     # traceback, where the shapes say what differs
     tagged = generate(multilingual / "langs.txt", "--add-data-source-prefix-tags")

@@ -96,6 +96,21 @@ def _check_language_tokens(path: str, trained: tuple[Any, bool] | None, args: An
         "training's language-token flags (task.encoder_langtok, task.decoder_langtok)")
 
 
+def check_the_checkpoints_languages(task: TranslationMultiSimpleEpochTask, cfg: Any) -> None:
+    """A model built from a checkpoint (generation) must have been trained with ``task``'s
+    language order and language-token flags: the checkpoint's task config says (its model
+    config ``cfg`` does too, except in a Hydra run's checkpoint). Also run for fairseq's
+    own ``translation_multi_simple_epoch`` while the plugin is loaded (integration hook 13)."""
+    read = checkpoint_read()
+    stored = read.languages if read is not None else None
+    problem = language_order_problem(
+        stored if stored is not None else getattr(cfg, "langs", None), task.langs)
+    if problem:
+        raise MultilingualOptionError(problem)
+    if read is not None:
+        _check_language_tokens(read.path, read.language_tokens, task.args)
+
+
 @register_task(TASK_NAME, dataclass=ShardedMultilingualConfig)
 class ShardedTranslationMultiSimpleEpochTask(MatchingTheCheckpoint,
                                              TranslationMultiSimpleEpochTask):
@@ -131,18 +146,9 @@ class ShardedTranslationMultiSimpleEpochTask(MatchingTheCheckpoint,
                 dictionary_mismatch(namespace.data, namespace.lang_pairs)) from None
 
     def build_model(self, cfg: Any, from_checkpoint: bool = False) -> Any:
-        """The model; one built from a checkpoint (generation) must have been trained with
-        this task's language order: the checkpoint's task config says (its model config
-        does too, except in a Hydra run's checkpoint)."""
+        """The model, checked against its checkpoint's languages (generation)."""
         if from_checkpoint:
-            read = checkpoint_read()
-            stored = read.languages if read is not None else None
-            problem = language_order_problem(
-                stored if stored is not None else getattr(cfg, "langs", None), self.langs)
-            if problem:
-                raise MultilingualOptionError(problem)
-            if read is not None:
-                _check_language_tokens(read.path, read.language_tokens, self.args)
+            check_the_checkpoints_languages(self, cfg)
         return super().build_model(cfg, from_checkpoint)
 
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False,
