@@ -555,6 +555,17 @@ def test_the_same_command_after_the_end_trains_nothing_and_changes_nothing(
     assert (f"the checkpoint resumed from is at update {UPDATES}, --max-update {UPDATES}: "
             "nothing left to train") in again.output
     assert all(path.read_bytes() == content for path, content in files.items())
+    # under torchrun too, exit status 0: a rank aborted at exit ("terminate called without
+    # an active exception", -6) where fairseq's data thread had started (--num-workers 0)
+    command = [tool("torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), tool("fairseq-train"),
+               *args(corpus, save_dir), "--user-dir", str(PLUGIN_DIR), "--ddp-backend",
+               "fully_sharded"]
+    completed = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                               capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "nothing left to train" in completed.stdout + completed.stderr
+    assert all(path.read_bytes() == content for path, content in files.items())
 
 
 def test_stock_fairseq_without_the_plugin_reads_the_export(

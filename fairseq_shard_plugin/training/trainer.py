@@ -432,6 +432,10 @@ class ShardedTrainer(Trainer):
                                                              self.data_parallel_world_size)
         if converted:
             logger.info(converted)
+        if extra_state is not None:  # before fairseq starts the epoch's data thread, whose
+            # work cut off at exit aborted a process ("terminate called without an active
+            # exception") when train_step raised this under --num-workers 0
+            refuse_a_step_past_the_end(self.cfg, self.get_num_updates())
         return extra_state
 
     def valid_step(self, sample: Any, raise_oom: bool = False) -> Any:
