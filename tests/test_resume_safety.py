@@ -165,7 +165,11 @@ def test_optimizer_state_that_does_not_fit_is_refused_before_training(
      "its model shares parameters differently from this one (--share-all-embeddings on in the "
      "checkpoint, off now), so its optimizer state does not fit (state for "),
     (("--adam-betas", "--momentum"), "its optimizer state is --optimizer adam's, this run has "
-                                     "--optimizer nag; to train on from its weights")])
+                                     "--optimizer nag; to train on from its weights"),
+    # fairseq's own assertion advised --reset-optimizer: a restart over the save dir
+    (("--criterion", "cross_entropy"), "it was trained with the criterion "
+     "LabelSmoothedCrossEntropyCriterion, this run has CrossEntropyCriterion; to train on "
+     "from its weights")])
 def test_a_resume_with_other_ties_or_another_optimizer_names_the_flag(
     runs: dict, tmp_path: Path, corpus: Path, changed: tuple[str, str], said: str
 ) -> None:
@@ -180,6 +184,10 @@ def test_a_resume_with_other_ties_or_another_optimizer_names_the_flag(
     if changed[0] == "--adam-betas":
         args[at:at + 2] = ["--momentum", "0.9"]
         args[args.index("adam")] = "nag"
+    elif changed[0] == "--criterion":
+        args[at + 1] = changed[1]
+        smoothing = args.index("--label-smoothing")
+        del args[smoothing:smoothing + 2]
     else:
         args[at] = changed[1]
     done = run_command([tool("fairseq-train"), *args], env=rank_environment(), timeout=300)
@@ -188,3 +196,20 @@ def test_a_resume_with_other_ties_or_another_optimizer_names_the_flag(
         f"fairseq-shard-plugin: error: {tmp_path / 'checkpoint_last.pt'}: {said}"), \
         done.stderr[-2000:]
     assert (tmp_path / "checkpoint_last.pt").read_bytes() == before
+
+
+def test_a_resume_with_the_chunked_loss_continues(runs: dict, tmp_path: Path,
+                                                  corpus: Path) -> None:
+    """The chunked criterion computes label-smoothed cross-entropy, and neither keeps state:
+    fairseq refused the resume by class name and advised --reset-optimizer (a restart at
+    update 0 over the save dir's checkpoints)."""
+    shutil.copyfile(runs["work"] / "fully_sharded" / "full" / "checkpoint1.pt",
+                    tmp_path / "checkpoint_last.pt")
+    args = _args(corpus, tmp_path, "fully_sharded")
+    args[args.index("label_smoothed_cross_entropy")] = "chunked_label_smoothed_cross_entropy"
+    done = run_command([tool("fairseq-train"), *args], env=rank_environment(), timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    summary = parse_logs(done.stdout + done.stderr)["train"][-1]
+    full = result_of(runs["full"], "fully_sharded")
+    assert summary["train_num_updates"] == full["train_num_updates"]
+    assert abs(float(summary["train_loss"]) - float(full["train_loss"])) < 0.01

@@ -165,6 +165,7 @@ def trainer_state_loader(
                 "checkpoint (fairseq-shard-verify --newest SAVE_DIR names one)")
         if not reset_optimizer:
             _refuse_another_optimizer(filename, state, trainer.cfg.optimizer)
+            _take_the_same_loss(filename, state, type(trainer.get_criterion()).__name__)
         problem = language_order_problem(
             stored_languages(state), getattr(getattr(trainer, "task", None), "langs", None))
         if problem:  # a multilingual checkpoint resumed or fine-tuned with other languages
@@ -259,6 +260,28 @@ def _refuse_another_optimizer(filename: str, state: dict[str, Any], optimizer_cf
         raise CheckpointLoadError(
             f"{filename}: its optimizer state is --optimizer {saved}'s, this run has "
             f"--optimizer {now}; {RESET_OPTIMIZER}")
+
+
+# the plugin's chunked criterion computes the stock one's loss, and neither keeps state
+_SAME_LOSS = frozenset({"LabelSmoothedCrossEntropyCriterion",
+                        "ChunkedLabelSmoothedCrossEntropyCriterion"})
+
+
+def _take_the_same_loss(filename: str, state: dict[str, Any], criterion: str) -> None:
+    """fairseq resumes only under the criterion class named in the checkpoint, and asks for
+    --reset-optimizer otherwise (which restarts at update 0 and saves over the save dir's
+    checkpoints). Where the two compute the same loss the resume continues; else the line
+    names both and the safe way to train on."""
+    history = state.get("optimizer_history")
+    last = history[-1] if isinstance(history, list) and history else None
+    saved = last.get("criterion_name") if isinstance(last, dict) else None
+    if not isinstance(saved, str) or saved == criterion:
+        return
+    if {saved, criterion} <= _SAME_LOSS:
+        last["criterion_name"] = criterion  # type: ignore[index]
+        return
+    raise CheckpointLoadError(f"{filename}: it was trained with the criterion {saved}, this "
+                              f"run has {criterion}; {RESET_OPTIMIZER}")
 
 
 _TIE_FLAGS = ("share_all_embeddings", "share_decoder_input_output_embed",
