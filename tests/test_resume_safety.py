@@ -213,3 +213,38 @@ def test_a_resume_with_the_chunked_loss_continues(runs: dict, tmp_path: Path,
     full = result_of(runs["full"], "fully_sharded")
     assert summary["train_num_updates"] == full["train_num_updates"]
     assert abs(float(summary["train_loss"]) - float(full["train_loss"])) < 0.01
+
+
+def test_a_resume_says_which_saved_values_fairseq_keeps(runs: dict, tmp_path: Path,
+                                                        corpus: Path) -> None:
+    """fairseq resumes with the optimizer's saved betas and weight decay: a new --adam-betas
+    had no effect while the next checkpoint's config recorded it (resumeT #2)."""
+    from fairseq_shard_plugin.checkpoint.resume_notices import changed_batching
+
+    last = tmp_path / "checkpoint_last.pt"
+    shutil.copyfile(runs["work"] / "fully_sharded" / "full" / "checkpoint1.pt", last)
+    args = _args(corpus, tmp_path, "fully_sharded")
+    args[args.index("--adam-betas") + 1] = "(0.5, 0.6)"
+    args += ["--weight-decay", "0.1"]
+    done = run_command([tool("fairseq-train"), *args], env=rank_environment(), timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert (f"{last}: the checkpoint's optimizer state keeps betas (0.9, 0.98), weight_decay "
+            "0.0, which fairseq resumes with (this command gives betas (0.5, 0.6), "
+            "weight_decay 0.1); to train with the new values, add --optimizer-overrides "
+            "\"{'betas': (0.5, 0.6), 'weight_decay': 0.1}\"") in done.stdout + done.stderr
+    overridden = [*args, "--optimizer-overrides", "{'betas': (0.5, 0.6), 'weight_decay': 0.1}"]
+    shutil.copyfile(runs["work"] / "fully_sharded" / "full" / "checkpoint1.pt", last)
+    done = run_command([tool("fairseq-train"), *overridden], env=rank_environment(),
+                       timeout=300)
+    assert done.returncode == 0 and "optimizer state keeps" not in done.stdout + done.stderr
+    # an epoch resumed in its middle under other batching
+    state = {"cfg": {"dataset": {"max_tokens": 1024, "batch_size": None}},
+             "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 6}}}
+    assert changed_batching(state, {"max_tokens": 2048, "batch_size": None}) == (
+        "epoch 1 resumes after 6 batches per rank, batched otherwise than when saved "
+        "(--max-tokens 1024 then, 2048 now): they are other sentences, so part of the epoch "
+        "is skipped or seen twice (the next epochs are whole); the saved batching continues "
+        "it exactly, --reset-dataloader starts over at epoch 1")
+    assert changed_batching(state, {"max_tokens": 1024, "batch_size": None}) is None
+    state["extra_state"]["train_iterator"]["iterations_in_epoch"] = 0  # at an epoch's end
+    assert changed_batching(state, {"max_tokens": 2048, "batch_size": None}) is None

@@ -31,6 +31,7 @@ from fairseq_shard_plugin.checkpoint.fairscale_shards import consolidated_state,
 from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
 from fairseq_shard_plugin.checkpoint.portable import config_entry, stored_languages
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
+from fairseq_shard_plugin.checkpoint.resume_notices import changed_batching, ignored_hyperparameters
 from fairseq_shard_plugin.checkpoint.sharded import (
     SHARDED_KEY,
     ShardedCheckpointError,
@@ -166,6 +167,8 @@ def trainer_state_loader(
         if not reset_optimizer:
             _refuse_another_optimizer(filename, state, trainer.cfg.optimizer)
             _take_the_same_loss(filename, state, type(trainer.get_criterion()).__name__)
+        if trainer.is_data_parallel_master:
+            _say_what_the_resume_keeps(trainer, reset_optimizer, filename, state)
         problem = language_order_problem(
             stored_languages(state), getattr(getattr(trainer, "task", None), "langs", None))
         if problem:  # a multilingual checkpoint resumed or fine-tuned with other languages
@@ -260,6 +263,23 @@ def _refuse_another_optimizer(filename: str, state: dict[str, Any], optimizer_cf
         raise CheckpointLoadError(
             f"{filename}: its optimizer state is --optimizer {saved}'s, this run has "
             f"--optimizer {now}; {RESET_OPTIMIZER}")
+
+
+def _say_what_the_resume_keeps(trainer: Any, reset_optimizer: bool, filename: str,
+                               state: dict[str, Any]) -> None:
+    """Warn where fairseq resumes with saved values the command changed (``resume_notices``):
+    the optimizer's hyper-parameters, an epoch's position under other batching."""
+    checkpoint_cfg = trainer.cfg.checkpoint
+    groups = None if reset_optimizer else getattr(trainer.optimizer, "param_groups", None)
+    notices = [
+        groups and ignored_hyperparameters(state, groups[0],
+                                           checkpoint_cfg.optimizer_overrides),
+        None if checkpoint_cfg.reset_dataloader
+        or filename == getattr(checkpoint_cfg, "finetune_from_model", None)
+        else changed_batching(state, trainer.cfg.dataset)]
+    for notice in notices:
+        if notice:
+            logger.warning(f"{filename}: {notice}")
 
 
 # the plugin's chunked criterion computes the stock one's loss, and neither keeps state
