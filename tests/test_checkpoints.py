@@ -670,6 +670,15 @@ def test_consolidate_refuses_to_average_other_models_or_several_without_the_flag
                        "mean of their weights"):
         cli_consolidate.main([str(save_dir / "checkpoint_1_30.pt"), str(other), str(out)])
     assert not out.exists() and not list(tmp_path.glob(".model.pt*"))
+    # OUT forgotten: the last export given would be replaced by the average (lifeT #2)
+    exports = [tmp_path / "a.pt", tmp_path / "b.pt"]
+    for export in exports:
+        cli_consolidate.main([str(save_dir / "checkpoint_1_30.pt"), str(export)])
+    before = exports[1].read_bytes()
+    with pytest.raises(SystemExit, match="it exists, and the last path given is the output"):
+        cli_consolidate.main(["--average", str(save_dir / "checkpoint_1_30.pt"),
+                              *(str(export) for export in exports)])
+    assert exports[1].read_bytes() == before
 
 
 @pytest.mark.parametrize(

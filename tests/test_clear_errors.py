@@ -457,3 +457,19 @@ def test_a_wrong_data_path_is_named_with_the_one_to_give(corpus: Path, tmp_path:
         assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
         assert done.stderr.strip().splitlines()[-1].startswith(
             f"fairseq-shard-plugin: error: {said}"), done.stderr[-500:]
+
+
+def test_a_restore_file_named_as_in_the_save_dir_is_pointed_there(corpus: Path,
+                                                                  tmp_path: Path) -> None:
+    """fairseq reads --restore-file from the working directory: a name of the save dir's own
+    checkpoints was "no such file" without saying where it is (lifeT #5)."""
+    save_dir = tmp_path / "save"
+    save_dir.mkdir()
+    (save_dir / "checkpoint_2_20.pt").write_bytes(b"")
+    cfg = sharded_config(corpus, "--cpu", "--optimizer", "adam", "--save-dir", str(save_dir),
+                         "--restore-file", "checkpoint_2_20.pt")
+    with pytest.raises(ShardingConfigError, match=re.escape(
+            f"--restore-file checkpoint_2_20.pt: no such file: give "
+            f"{save_dir / 'checkpoint_2_20.pt'} (--restore-file is read from the working "
+            "directory, not the save dir)")):
+        check_sharded_config(cfg)

@@ -411,6 +411,9 @@ def export_checkpoints(
     paths = [resolve_checkpoint(source) for source in sources]
     for path in paths:  # the source's folder is a save dir: its checkpoint names refused
         problem = export_target_problem(destination, source=path, save_dir=path.parent)
+        if problem is None and len(paths) > 1 and os.path.lexists(destination):
+            problem = ("it exists, and the last path given is the output (an input's name "
+                       "there would be replaced by the average): remove it first")
         if problem:
             raise ConsolidateError(f"refusing to write the export to {destination}: "
                                    f"{problem}; name another file (e.g. model.pt)")

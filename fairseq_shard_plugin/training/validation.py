@@ -198,9 +198,13 @@ def _check_restore_file(checkpoint_cfg: Any) -> None:
     suffix = checkpoint_cfg.checkpoint_suffix or ""
     restore = checkpoint_cfg.restore_file
     if restore != "checkpoint_last.pt" and "://" not in restore:  # not the save dir's own
-        _check_checkpoint_file("--restore-file", restore.replace(".pt", f"{suffix}.pt"),
-                               "an existing checkpoint, or leave --restore-file out to "
-                               "resume from the save dir's checkpoint_last.pt")
+        named = restore.replace(".pt", f"{suffix}.pt")
+        in_save_dir = os.path.join(checkpoint_cfg.save_dir, named)
+        advice = (f"{in_save_dir} (--restore-file is read from the working directory, not "
+                  "the save dir)" if not os.path.isabs(named) and os.path.isfile(in_save_dir)
+                  else "an existing checkpoint, or leave --restore-file out to resume from "
+                  "the save dir's checkpoint_last.pt")
+        _check_checkpoint_file("--restore-file", named, advice)
     finetune = getattr(checkpoint_cfg, "finetune_from_model", None)
     resets = reset_flags_given(checkpoint_cfg)
     if finetune and resets:  # fairseq's ValueError, in a traceback once the model is built
