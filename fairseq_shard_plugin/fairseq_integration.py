@@ -209,6 +209,7 @@ from fairseq_shard_plugin.checkpoint.errors import (
     describe_unreadable,
     save_failure,
 )
+from fairseq_shard_plugin.checkpoint.integrity import RESUME_HINT
 from fairseq_shard_plugin.checkpoint.portable import (
     languages_as_lists,
     with_model_namespace,
@@ -630,7 +631,14 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
             state = consolidated_state(path, state, read_rank_file, None, None,
                                        modules_shared_by_config(state))
         elif is_sharded_index(state):
-            state = _full_tensors_of_index(path, state)
+            try:
+                state = _full_tensors_of_index(path, state)
+            except ShardPluginError as error:  # its advice to resume, where nothing trains
+                if stock_trainer_optimizer() is not None:
+                    raise
+                raise CheckpointLoadError(str(error).replace(RESUME_HINT, (
+                    "use an intact checkpoint (fairseq-shard-verify FILE or SAVE_DIR checks "
+                    "them)"))) from error
         note_checkpoint_read(path, state)  # the task checks the model it builds next
         optimizer = stock_trainer_optimizer()
         if optimizer is not None and isinstance(state, dict):  # fairseq's own trainer

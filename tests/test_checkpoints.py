@@ -793,14 +793,22 @@ def test_sharded_save_writes_each_ranks_shards_and_small_indexes(
 
 
 def test_fairseq_generate_reads_a_sharded_checkpoint_directly(
-    corpus: Path, crashes: dict, uninterrupted: tuple[RunResult, Path]
+    corpus: Path, crashes: dict, uninterrupted: tuple[RunResult, Path], tmp_path: Path
 ) -> None:
     """With the plugin as --user-dir, fairseq's own loader gathers the shards (hook 6): the
-    index of update 20 translates exactly as the full checkpoint of the same update."""
+    index of update 20 translates exactly as the full checkpoint of the same update. An
+    index copied without its shards is one line, with advice for generation, not a resume."""
+    copied = tmp_path / "best.pt"
+    shutil.copyfile(crashes["save_dir"] / "checkpoint_1_20.pt", copied)
     generated = run_concurrently({
         "sharded": generate_command(corpus, crashes["save_dir"] / "checkpoint_1_20.pt"),
-        "full": generate_command(corpus, uninterrupted[1] / "checkpoint_1_20.pt")})
+        "full": generate_command(corpus, uninterrupted[1] / "checkpoint_1_20.pt"),
+        "copied": generate_command(corpus, copied)})
     assert hypotheses(generated["sharded"]) == hypotheses(generated["full"])
+    line = generated["copied"].stderr.strip().splitlines()[-1]
+    assert line.startswith(f"fairseq-shard-plugin: error: {copied}: its shard directory "), line
+    assert line.endswith("use an intact checkpoint (fairseq-shard-verify FILE or SAVE_DIR "
+                         "checks them)") and "--restore-file" not in line, line
 
 
 def _plugin_shards(shards: Path, *names: str, save_dir: Path | None = None) -> None:
