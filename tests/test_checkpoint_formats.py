@@ -47,7 +47,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
 def test_verify_calls_a_checkpoint_of_either_format_intact(checkpoint: Path) -> None:
     verdict = verify.check(checkpoint)
     assert verdict.intact, verdict.line
-    assert verdict.line == f"{checkpoint}: ok (full, update 7, epoch 2)"
+    assert verdict.line == f"{checkpoint}: ok (full, update 7, resumes in epoch 2)"
 
 
 def test_consolidate_exports_either_format_with_tied_weights_once(

@@ -746,11 +746,11 @@ def test_verify_tells_damaged_checkpoints_from_intact_ones(
     out = capsys.readouterr().out
     assert f"{full / 'checkpoint_1_20.pt'}: corrupted checkpoint: archive/" in out
     assert f"{full / 'checkpoint_1_30.pt'}: unreadable checkpoint (" in out
-    assert f"{full / 'checkpoint_1_40.pt'}: ok (full, update 40, epoch 1)" in out
+    assert f"{full / 'checkpoint_1_40.pt'}: ok (full, update 40, resumes in epoch 1)" in out
     assert f"{sharded / 'checkpoint_1_30.pt'}: corrupted checkpoint: " in out
     # checkpoint_best.pt is an index of the same update-30 shards: damaged with them
     assert f"{sharded / 'checkpoint_best.pt'}: corrupted checkpoint: " in out
-    assert f"{sharded / 'checkpoint_last.pt'}: ok (sharded, update 20, epoch 1)" in out
+    assert f"{sharded / 'checkpoint_last.pt'}: ok (sharded, update 20, resumes in epoch 1)" in out
     assert out.strip().splitlines()[-1] == "4 of 11 checkpoints cannot be resumed from", out
     # the newest intact one skips the damaged update-30 shards
     cli_verify.main(["--newest", str(sharded)])

@@ -266,7 +266,7 @@ def test_a_stock_set_exports_for_stock_tools_and_translates_with_the_plugin(
     assert "fairseq_shard_plugin" not in from_export.stderr
     assert hypotheses(from_export) == hypotheses(finished["plugin"])
     assert "checkpoint_last-shard0.pt: ok (rank 0 of 2 of fairseq's fully_sharded state, " \
-        f"update {SAVED_AT}, epoch 1)" in finished["verify"].stdout
+        f"update {SAVED_AT}, resumes in epoch 1)" in finished["verify"].stdout
     # a broken set: fairseq-generate ends in the plugin's one line, not a traceback
     assert finished["broken"].returncode != 0 and "Traceback" not in finished["broken"].stderr
     assert finished["broken"].stderr.strip().splitlines()[-1].startswith(

@@ -75,7 +75,7 @@ def test_absent_fields_are_still_shown_as_unknown(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint_last.pt"
     torch.save(_fairseq_state(optimizer_history=[], extra_state=None), path)
     verdict = verify.check(path)
-    assert verdict.intact and verdict.line == f"{path}: ok (full, update ?, epoch ?)"
+    assert verdict.intact and verdict.line == f"{path}: ok (full, update ?, resumes in epoch ?)"
 
 
 def test_the_other_files_are_still_listed(
@@ -87,7 +87,7 @@ def test_the_other_files_are_still_listed(
         cli_verify.main([str(tmp_path)])
     assert exit_.value.code == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines == [f"{tmp_path / 'checkpoint_1_6.pt'}: ok (full, update 6, epoch 1)",
+    assert lines == [f"{tmp_path / 'checkpoint_1_6.pt'}: ok (full, update 6, resumes in epoch 1)",
                      f"{tmp_path / 'checkpoint_last.pt'}: not a usable fairseq checkpoint "
                      "(its extra_state is a list, not a dict)",
                      "1 of 2 checkpoints cannot be resumed from"]
@@ -110,7 +110,7 @@ def test_each_line_is_printed_before_the_next_file_is_read(
     with pytest.raises(KeyboardInterrupt):
         cli_verify.main([str(tmp_path)])
     assert capsys.readouterr().out.splitlines() == [
-        f"{tmp_path / 'checkpoint_1_6.pt'}: ok (full, update 6, epoch 1)"]
+        f"{tmp_path / 'checkpoint_1_6.pt'}: ok (full, update 6, resumes in epoch 1)"]
 
 
 def test_a_rank_file_with_an_odd_cfg_is_described(tmp_path: Path) -> None:

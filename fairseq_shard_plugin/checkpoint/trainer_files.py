@@ -167,7 +167,7 @@ def trainer_state_loader(
         if not reset_optimizer:
             _refuse_another_optimizer(filename, state, trainer.cfg.optimizer)
             _take_the_same_loss(filename, state, type(trainer.get_criterion()).__name__)
-        if trainer.is_data_parallel_master:
+        if getattr(trainer, "is_data_parallel_master", False):  # (None: state checks only)
             _say_what_the_resume_keeps(trainer, reset_optimizer, filename, state)
         problem = language_order_problem(
             stored_languages(state), getattr(getattr(trainer, "task", None), "langs", None))

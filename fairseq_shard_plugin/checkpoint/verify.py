@@ -93,11 +93,13 @@ def _misshapen_field(state: dict[str, Any]) -> str | None:
 
 
 def _position(state: dict[str, Any]) -> tuple[int, str]:
-    """The update count and ``update N, epoch E`` as fairseq stored them (``?`` if absent);
+    """The update count and ``update N, resumes in epoch E`` as fairseq stored them (``?``
+    if absent; the epoch is its data iterator's, so ``checkpoint1.pt`` resumes in epoch 2);
     the fields must have passed :func:`_misshapen_field`."""
     updates, epoch = _field(state, _UPDATES), _field(state, _EPOCH)
     shown = ["?" if value is None else value for value in (updates, epoch)]
-    return -1 if updates is None else updates, f"update {shown[0]}, epoch {shown[1]}"
+    where = "resumes in epoch" if "last_optimizer_state" in state else "epoch"
+    return -1 if updates is None else updates, f"update {shown[0]}, {where} {shown[1]}"
 
 
 def _rank_file_kind(path: Path, state: dict[str, Any]) -> str:
