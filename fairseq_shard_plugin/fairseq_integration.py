@@ -212,6 +212,7 @@ from fairseq_shard_plugin.checkpoint.errors import (
 from fairseq_shard_plugin.checkpoint.integrity import RESUME_HINT
 from fairseq_shard_plugin.checkpoint.portable import (
     languages_as_lists,
+    languages_numbering_the_tokens,
     with_model_namespace,
 )
 from fairseq_shard_plugin.checkpoint.reading import NotACheckpointError, read_checkpoint
@@ -622,10 +623,11 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
             if active_trainer_loader() is not None:
                 raise  # the sharded trainer names it with the model's shapes at hand
             raise CheckpointLoadError(describe_unreadable(path, error)) from error
+        numbered_by = languages_numbering_the_tokens(state)  # (not a path read now)
         state = languages_as_lists(state)  # a --langs path, as earlier versions saved it
         loader = active_trainer_loader()
         if loader is not None:
-            note_checkpoint_read(path, state)
+            note_checkpoint_read(path, state, numbered_by)
             return loader(path, state)
         if is_rank_file_state(state):  # stock fully_sharded's per-rank files: the whole set
             state = consolidated_state(path, state, read_rank_file, None, None,
@@ -639,7 +641,7 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
                 raise CheckpointLoadError(str(error).replace(RESUME_HINT, (
                     "use an intact checkpoint (fairseq-shard-verify FILE or SAVE_DIR checks "
                     "them)"))) from error
-        note_checkpoint_read(path, state)  # the task checks the model it builds next
+        note_checkpoint_read(path, state, numbered_by)  # the task checks the model next
         optimizer = stock_trainer_optimizer()
         if optimizer is not None and isinstance(state, dict):  # fairseq's own trainer
             give_to_stock_optimizer(path, state, *optimizer())

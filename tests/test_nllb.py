@@ -299,7 +299,8 @@ def test_a_checkpoint_trained_with_a_lang_dict_stores_the_list(
     # fairseq's own task name with the plugin loaded translated differently, exit 0 (hook 13)
     for task in ("sharded_translation_multi_simple_epoch", "translation_multi_simple_epoch"):
         assert generate(reordered, task=task).startswith(
-            "fairseq-shard-plugin: error: the checkpoint's language tokens are numbered by its "
+            f"fairseq-shard-plugin: error: {tmp_path / 'checkpoint_last.pt'}: the checkpoint's "
+            "language tokens are numbered by its "
             "training's --langs, and this run's list differs (the same languages in another "
             "order)")
         # without the training's language tokens it translated, differently, without a word
@@ -368,7 +369,8 @@ def test_a_checkpoint_trained_with_langs_file_stores_the_list(
         "--gen-subset", "valid", "--beam", "1", "--max-tokens", "1000"])
     assert generated.returncode != 0
     assert generated.stderr.strip().splitlines()[-1].startswith(
-        "fairseq-shard-plugin: error: the checkpoint's language tokens are numbered by its "
+        f"fairseq-shard-plugin: error: {tmp_path / 'hydra_shaped.pt'}: the checkpoint's "
+        "language tokens are numbered by its "
         "training's --langs, and this run's list differs (the same languages in another "
         "order)"), generated.stderr[-3000:]
     # its export loads in stock fairseq's from_pretrained, in a process without the plugin
@@ -419,3 +421,29 @@ def test_multilingual_inputs_that_fairseq_misreads_are_named(tmp_path: Path) -> 
     assert language_order_problem("langs.txt", ["a", "b"]) is None  # written before lists
     assert "(missing c; not in the checkpoint d)" in language_order_problem(["a", "c"],
                                                                           ["a", "d"])
+
+
+def test_only_what_the_checkpoint_itself_says_numbers_its_language_tokens(
+    tmp_path: Path,
+) -> None:
+    """A stored --lang-dict path read from another directory (or an edited file) gave
+    another list, and generation refused the training's own order while a wrong one passed
+    (attackA #1); a checkpoint trained with neither option numbered its languages sorted
+    from its --lang-pairs, which went unchecked (attackA #2)."""
+    from fairseq_shard_plugin.checkpoint.portable import languages_numbering_the_tokens
+
+    langs = tmp_path / "langs.txt"
+    langs.write_text("deu_Latn\neng_Latn\n")
+
+    def task(**entries: object) -> dict:
+        return {"cfg": {"task": {"langs": None, "lang_dict": None, **entries}}}
+
+    assert languages_numbering_the_tokens(task(langs=["eng_Latn", "deu_Latn"])) == [
+        "eng_Latn", "deu_Latn"]
+    assert languages_numbering_the_tokens(task(lang_dict=str(langs))) is None
+    assert languages_numbering_the_tokens(task(langs=str(langs))) is None
+    assert languages_numbering_the_tokens(task(lang_pairs="fra_Latn-eng_Latn,deu_Latn-eng_Latn")
+                                          ) == ["deu_Latn", "eng_Latn", "fra_Latn"]
+    assert languages_numbering_the_tokens(task(lang_pairs=["eng_Latn-fra_Latn"])) == [
+        "eng_Latn", "fra_Latn"]
+    assert languages_numbering_the_tokens({"cfg": {"task": {"_name": "translation"}}}) is None

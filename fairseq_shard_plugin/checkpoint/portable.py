@@ -112,10 +112,28 @@ _LANGS_FILE_LIMIT = 1 << 20
 
 
 
-def stored_languages(state: Any) -> Any:
-    """The checkpoint's ``cfg.task.langs`` as stored (a list, a ListConfig, or the path
-    earlier versions stored), or None."""
-    return config_entry(_config_section(state, "task"), "langs")
+def languages_numbering_the_tokens(state: Any) -> list[str] | None:
+    """The language list that numbered a multilingual checkpoint's language tokens, where
+    the checkpoint itself says: its stored list, or (trained with neither --langs nor
+    --lang-dict) the sorted languages of its --lang-pairs, as fairseq infers them. None
+    where it holds only a file's path: that file may be another now (a relative path read
+    from another directory, an edited file), so it is never the ground for a refusal."""
+    task = _config_section(state, "task")
+    langs = config_entry(task, "langs")
+    if langs is not None and not isinstance(langs, str):
+        try:
+            return [str(code) for code in langs]
+        except TypeError:
+            return None
+    pairs = config_entry(task, "lang_pairs")
+    if langs is not None or config_entry(task, "lang_dict") is not None or not pairs:
+        return None
+    if isinstance(pairs, str):
+        pairs = pairs.split(",")
+    try:
+        return sorted({code for pair in pairs for code in str(pair).strip().split("-")})
+    except TypeError:
+        return None
 
 
 def stored_language_tokens(state: Any) -> tuple[Any, bool] | None:

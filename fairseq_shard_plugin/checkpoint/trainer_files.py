@@ -29,7 +29,10 @@ from fairseq_shard_plugin.checkpoint.fairscale_sets import (
 )
 from fairseq_shard_plugin.checkpoint.fairscale_shards import consolidated_state, in_model_order
 from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damaged_zip_entries
-from fairseq_shard_plugin.checkpoint.portable import config_entry, stored_languages
+from fairseq_shard_plugin.checkpoint.portable import (
+    config_entry,
+    languages_numbering_the_tokens,
+)
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.resume_notices import changed_batching, ignored_hyperparameters
 from fairseq_shard_plugin.checkpoint.sharded import (
@@ -52,6 +55,7 @@ from fairseq_shard_plugin.checkpoint.stock_optimizer_state import (
 from fairseq_shard_plugin.sharding.full_state import share_tied_tensors, tied_parameter_names
 from fairseq_shard_plugin.sharding.options import checkpoint_format
 from fairseq_shard_plugin.tasks.multilingual_checks import language_order_problem
+from fairseq_shard_plugin.training.run_hooks import checkpoint_read
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +173,11 @@ def trainer_state_loader(
             _take_the_same_loss(filename, state, type(trainer.get_criterion()).__name__)
         if getattr(trainer, "is_data_parallel_master", False):  # (None: state checks only)
             _say_what_the_resume_keeps(trainer, reset_optimizer, filename, state)
+        read = checkpoint_read()  # hook 6 noted the list before reading a stored path
         problem = language_order_problem(
-            stored_languages(state), getattr(getattr(trainer, "task", None), "langs", None))
+            read.languages if read is not None and read.path == str(filename)
+            else languages_numbering_the_tokens(state),
+            getattr(getattr(trainer, "task", None), "langs", None))
         if problem:  # a multilingual checkpoint resumed or fine-tuned with other languages
             raise CheckpointLoadError(f"{filename}: {problem}")
         if is_fairscale_state(state) and isinstance(state.get("extra_state"), dict):

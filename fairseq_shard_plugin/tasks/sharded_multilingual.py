@@ -98,17 +98,19 @@ def _check_language_tokens(path: str, trained: tuple[Any, bool] | None, args: An
 
 def check_the_checkpoints_languages(task: TranslationMultiSimpleEpochTask, cfg: Any) -> None:
     """A model built from a checkpoint (generation) must have been trained with ``task``'s
-    language order and language-token flags: the checkpoint's task config says (its model
-    config ``cfg`` does too, except in a Hydra run's checkpoint). Also run for fairseq's
-    own ``translation_multi_simple_epoch`` while the plugin is loaded (integration hook 13)."""
+    language order and language-token flags, where the checkpoint says which
+    (``portable.languages_numbering_the_tokens``). Also run for fairseq's own
+    ``translation_multi_simple_epoch`` while the plugin is loaded (integration hook 13)."""
     read = checkpoint_read()
-    stored = read.languages if read is not None else None
-    problem = language_order_problem(
-        stored if stored is not None else getattr(cfg, "langs", None), task.langs)
+    if read is None:  # not read through fairseq's loader: its model config says
+        problem = language_order_problem(getattr(cfg, "langs", None), task.langs)
+        if problem:
+            raise MultilingualOptionError(problem)
+        return
+    problem = language_order_problem(read.languages, task.langs)
     if problem:
-        raise MultilingualOptionError(problem)
-    if read is not None:
-        _check_language_tokens(read.path, read.language_tokens, task.args)
+        raise MultilingualOptionError(f"{read.path}: {problem}")
+    _check_language_tokens(read.path, read.language_tokens, task.args)
 
 
 @register_task(TASK_NAME, dataclass=ShardedMultilingualConfig)

@@ -27,8 +27,9 @@ _checkpoint_read: list[CheckpointRead | None] = [None]
 @dataclasses.dataclass(frozen=True)
 class CheckpointRead:
     """What a task checks of the checkpoint fairseq has just read (hook 6), as it builds
-    that checkpoint's model next: its ``cfg.task.langs`` (a Hydra run's model config holds
-    none), the shapes of its model's tensors and its language-token options."""
+    that checkpoint's model next: the language list that numbered its language tokens
+    (None where the checkpoint does not say), the shapes of its model's tensors and its
+    language-token options."""
 
     path: str
     languages: Any
@@ -36,17 +37,16 @@ class CheckpointRead:
     language_tokens: tuple[Any, bool] | None = None  # --encoder-langtok, --decoder-langtok
 
 
-def note_checkpoint_read(path: str, state: Any) -> None:
-    """Note the checkpoint ``state`` fairseq read from ``path`` (hook 6)."""
+def note_checkpoint_read(path: str, state: Any, languages: list[str] | None) -> None:
+    """Note the checkpoint ``state`` fairseq read from ``path`` (hook 6), and the language
+    list its tokens were numbered by (``portable.languages_numbering_the_tokens``, taken
+    before a stored file path was read into a list)."""
     from fairseq_shard_plugin.checkpoint.errors import tensor_shapes
-    from fairseq_shard_plugin.checkpoint.portable import (
-        stored_language_tokens,
-        stored_languages,
-    )
+    from fairseq_shard_plugin.checkpoint.portable import stored_language_tokens
 
     model = state.get("model") if isinstance(state, dict) else None
     shapes = tensor_shapes(model) if isinstance(model, dict) else {}
-    _checkpoint_read[0] = CheckpointRead(str(path), stored_languages(state), shapes,
+    _checkpoint_read[0] = CheckpointRead(str(path), languages, shapes,
                                          stored_language_tokens(state))
 
 
