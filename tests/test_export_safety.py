@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -244,3 +245,60 @@ def test_a_checkpoint_of_fairseq_before_0_10_exports_with_its_args_as_the_config
     assert exported["cfg"]["model"]["arch"] == "transformer"
     assert torch.equal(exported["model"]["encoder.embed_tokens.weight"],
                        state["model"]["encoder.embed_tokens.weight"])
+
+
+def _model_file(path: Path, model: dict) -> Path:
+    torch.save({"model": model, "cfg": {"model": {"_name": "transformer"}},
+                "optimizer_history": [{"num_updates": 1}]}, path)
+    return path
+
+
+def test_an_average_follows_each_sources_ties_and_refuses_other_kinds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first source's ties were applied to every source: a second source with untied
+    embeddings lost its other names' values (attackA #3); a bool buffer or an integer
+    tensor against a float one ended in a traceback (#5); a file given twice counted
+    twice without a word (#6)."""
+    shared = torch.ones(4, 2)
+    tied = _model_file(tmp_path / "tied.pt", {"embed": shared, "projection": shared,
+                                              "mask": torch.tensor([True, False])})
+    untied = _model_file(tmp_path / "untied.pt", {
+        "embed": torch.full((4, 2), 3.0), "projection": torch.full((4, 2), 5.0),
+        "mask": torch.tensor([True, False])})
+    out = consolidate.export_checkpoints([tied, untied], tmp_path / "mean.pt")
+    model = torch.load(out, weights_only=True)["model"]
+    assert torch.equal(model["embed"], torch.full((4, 2), 2.0))
+    assert torch.equal(model["projection"], torch.full((4, 2), 3.0))
+    assert torch.equal(model["mask"], torch.tensor([True, False]))
+    both_tied = consolidate.export_checkpoints([tied, tied], tmp_path / "twice.pt")
+    model = torch.load(both_tied, weights_only=True)["model"]
+    assert model["embed"].untyped_storage().data_ptr() == \
+        model["projection"].untyped_storage().data_ptr()  # tied in every source: once
+    assert f"{tied} is given twice (or under two names): it counts twice" in caplog.text
+    counts = _model_file(tmp_path / "counts.pt", {"embed": torch.ones(4, 2, dtype=torch.long),
+                                                  "projection": shared, "mask": shared[0]})
+    with pytest.raises(consolidate.ConsolidateError, match=re.escape(
+            f"cannot average {tied} and {counts}: embed is floating point in the first and "
+            "integer in the other (another model)")):
+        consolidate.export_checkpoints([tied, counts], tmp_path / "bad.pt")
+    assert not (tmp_path / "bad.pt").exists()
+
+
+def test_an_export_target_that_is_a_directory_or_reached_through_a_link_is_checked(
+    save_dir: Path, tmp_path: Path
+) -> None:
+    """An existing directory was "remove it first"; a link into the save dir followed by
+    .. wrote one of fairseq's checkpoint names there (attackA #4, #8)."""
+    (tmp_path / "out").mkdir()
+    with pytest.raises(consolidate.ConsolidateError, match="it is a directory: name a file"):
+        consolidate.export_consolidated(save_dir, tmp_path / "out")
+    inside = save_dir / "inner"
+    inside.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "link").symlink_to(inside)
+    target = tmp_path / "elsewhere" / "link" / ".." / "checkpoint78.pt"
+    with pytest.raises(consolidate.ConsolidateError, match="checkpoint78.pt is one of the "
+                       "training's own checkpoint names"):
+        consolidate.export_consolidated(save_dir / "checkpoint_last.pt", target)
+    assert not (save_dir / "checkpoint78.pt").exists()

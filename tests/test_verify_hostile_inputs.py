@@ -289,4 +289,5 @@ def test_a_fifo_given_to_verify_is_named_for_what_it_is(tmp_path: Path) -> None:
         checkpoint_files([str(fifo)])
     with pytest.raises(FileNotFoundError, match="no such file or directory"):
         checkpoint_files([str(tmp_path / "gone.pt")])
-    assert checkpoint_files([str(tmp_path)]) == []  # a FIFO in a save dir is skipped
+    with pytest.raises(FileNotFoundError, match="pipe.pt: not a regular file"):
+        checkpoint_files([str(tmp_path)])  # under a checkpoint's name in a save dir too

@@ -11,8 +11,8 @@ written: the peak is about one tensor of each source plus its sum.
 The arithmetic is fairseq's: the tensors summed in the order the sources are given, then
 divided by their number (integer tensors with floor division); fp16 and bf16 tensors are
 summed in fp32, so that the mean of 16-bit weights is exported in fp32 unless ``--fp16``
-or ``--bf16`` asks otherwise. Everything else (config, training state) is the first
-source's, as in fairseq's script.
+or ``--bf16`` asks otherwise; a bool tensor is the first source's. Everything else (config,
+training state) is the first source's, as in fairseq's script.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def summed_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class AveragedTensor(LazyTensor):
-    """The mean of ``parts`` (same shape), as ``dtype`` (None: :func:`summed_dtype`)."""
+    """The mean of ``parts`` (same shape), as ``dtype`` (None: :func:`summed_dtype`); a
+    bool tensor (a mask) is the first part's, as it has no mean."""
 
     def __init__(self, parts: list[LazyTensor], dtype: torch.dtype | None) -> None:
         self.parts = parts
@@ -46,7 +47,10 @@ class AveragedTensor(LazyTensor):
         self.dtype = dtype if dtype is not None and wide.is_floating_point else wide
 
     def materialize(self) -> torch.Tensor:
-        total = self.parts[0].materialize().to(summed_dtype(self.parts[0].dtype), copy=True)
+        first = self.parts[0].materialize()
+        if first.dtype == torch.bool:
+            return first
+        total = first.to(summed_dtype(first.dtype), copy=True)
         for part in self.parts[1:]:
             total += part.materialize()
         if total.is_floating_point():
@@ -73,7 +77,7 @@ def averaged_model(paths: list[Path], models: list[dict[str, Any]],
             holder, other = (first_path, path) if missing else (path, first_path)
             raise AveragingError(f"cannot average {first_path} and {path}: {name} is in "
                                  f"{holder} but not in {other} (another model)")
-    averaged: dict[int, AveragedTensor] = {}
+    averaged: dict[tuple[int, ...], AveragedTensor] = {}
     out: dict[str, Any] = {}
     for name, stored in first.items():
         value = _lazy(stored)
@@ -82,13 +86,27 @@ def averaged_model(paths: list[Path], models: list[dict[str, Any]],
             continue
         parts = [value, *(_lazy(model[name]) for model in models[1:])]
         for path, part in zip(paths[1:], parts[1:], strict=True):
-            if not isinstance(part, LazyTensor) or tuple(part.shape) != tuple(value.shape):
-                shape = list(part.shape) if isinstance(part, LazyTensor) else type(part)
-                raise AveragingError(
-                    f"cannot average {first_path} and {path}: {name} has shape "
-                    f"{list(value.shape)} in the first and {shape} in the other (another "
-                    "model)")
-        if id(stored) not in averaged:
-            averaged[id(stored)] = AveragedTensor(parts, dtype)
-        out[name] = averaged[id(stored)]
+            problem = _mismatch(value, part)
+            if problem:
+                raise AveragingError(f"cannot average {first_path} and {path}: {name} "
+                                     f"{problem} (another model)")
+        # names tied in every source stay one tensor; tied in some only, each is averaged
+        ties = tuple(id(model[name]) for model in models)
+        if ties not in averaged:
+            averaged[ties] = AveragedTensor(parts, dtype)
+        out[name] = averaged[ties]
     return out
+
+
+def _mismatch(first: LazyTensor, other: Any) -> str | None:
+    """How ``other`` cannot be averaged with ``first`` (the first source's), or None."""
+    if not isinstance(other, LazyTensor):
+        return f"is a tensor in the first and a {type(other).__name__} in the other"
+    if tuple(other.shape) != tuple(first.shape):
+        return (f"has shape {list(first.shape)} in the first and {list(other.shape)} in the "
+                "other")
+    kinds = [("floating point" if t.dtype.is_floating_point else
+              "bool" if t.dtype == torch.bool else "integer") for t in (first, other)]
+    if kinds[0] != kinds[1]:
+        return f"is {kinds[0]} in the first and {kinds[1]} in the other"
+    return None

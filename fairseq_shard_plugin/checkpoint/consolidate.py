@@ -318,6 +318,8 @@ def export_target_problem(destination: str | Path, source: Path | None = None,
     special = _special_file(destination)
     if special:
         return f"it is {special}, which the export would replace with a file"
+    if destination.is_dir():
+        return "it is a directory: name a file in it (e.g. model.pt there)"
     if destination.is_symlink() or destination.is_file():
         if source is not None and destination.exists() and os.path.samefile(destination,
                                                                             source):
@@ -417,6 +419,10 @@ def export_checkpoints(
         if problem:
             raise ConsolidateError(f"refusing to write the export to {destination}: "
                                    f"{problem}; name another file (e.g. model.pt)")
+    for index, path in enumerate(paths):
+        if any(os.path.samefile(path, earlier) for earlier in paths[:index]):
+            logger.warning(f"{path} is given twice (or under two names): it counts twice in "
+                           "the average, as fairseq's average_checkpoints would count it")
     watched = [_Unchanged(path) for path in paths]
     plans = []
     for watch in watched:

@@ -28,7 +28,9 @@ RESET_OPTIMIZER = "add --reset-optimizer to start the optimizer afresh"
 def in_save_dir(filename: str, save_dir: str) -> bool:
     """Whether ``filename`` is a file of ``save_dir`` itself (links to the directories
     resolved; the file itself may be a link to elsewhere)."""
-    return (os.path.realpath(os.path.dirname(os.path.abspath(filename)))
+    # joined, not normalised: "link/../x" is the parent of the link's target, as the
+    # file system reads it, not the folder that holds the link
+    return (os.path.realpath(os.path.dirname(os.path.join(os.getcwd(), filename)))
             == os.path.realpath(save_dir))
 
 

@@ -162,7 +162,11 @@ def checkpoint_files(sources: Sequence[str]) -> list[Path]:
     for source in sources:
         path = Path(source)
         if path.is_dir():
-            files.extend(sorted(p for p in path.glob("*.pt") if p.is_file()))
+            for entry in sorted(path.glob("*.pt")):
+                if entry.is_file():
+                    files.append(entry)
+                elif entry.exists() and not entry.is_dir():  # a FIFO, a device
+                    raise FileNotFoundError(f"{entry}: not a regular file or directory")
         elif path.is_file():
             files.append(path)
         elif path.exists():  # a FIFO, a device: reading it could block, and it is no file
