@@ -431,9 +431,11 @@ def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[
     def call_main(cfg: Any, main: Callable[..., Any], **kwargs: Any) -> Any:
         try:  # the configuration's checks: the same on every rank of a node (its files)
             sharded = _checked_configuration(cfg)
-        except ShardPluginError as error:  # one line a node, not one a rank
+        except ShardPluginError as error:  # one line a node, not one a rank, where
+            # torchrun's summary names it too (srun may kill the printing rank first)
             exit_with(_error_line(error, cfg), print_it=launcher_rank(
-                names=("LOCAL_RANK", "SLURM_LOCALID")) in (None, 0))
+                names=("LOCAL_RANK", "SLURM_LOCALID")) in (None, 0)
+                or not os.environ.get("TORCHELASTIC_ERROR_FILE"))
         try:  # every one-line error of the training and the export, on every rank
             return stock_call_main(cfg, _TrainThenExport(main) if sharded else main, **kwargs)
         except ShardPluginError as error:

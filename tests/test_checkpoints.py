@@ -484,6 +484,28 @@ def test_room_for_one_save_only_is_warned_about(checkpoint_format: str, one_save
         "/ckpt", 100 * mib, checkpoint_format, free_bytes=(one_save - 1) * mib)[0]
 
 
+def test_the_space_check_counts_only_the_files_fairseq_keeps() -> None:
+    """--no-epoch-checkpoints keeps no file per save: two saves fitted a 10 MiB save dir
+    that the check said would fail (attackB #4)."""
+    from types import SimpleNamespace
+
+    from fairseq_shard_plugin.checkpoint.space import saves_in_copies
+
+    def cfg(**flags: object) -> SimpleNamespace:
+        return SimpleNamespace(**{"no_epoch_checkpoints": False, "save_interval_updates": 0,
+                                  "no_last_checkpoints": False, **flags})
+
+    assert saves_in_copies("full", cfg()) == (3, 2)
+    assert saves_in_copies("full", cfg(no_epoch_checkpoints=True)) == (2, 1)
+    assert saves_in_copies("full", cfg(no_epoch_checkpoints=True,
+                                       save_interval_updates=10)) == (3, 2)
+    assert saves_in_copies("full", cfg(no_last_checkpoints=True)) == (2, 2)
+    assert saves_in_copies("sharded", cfg(no_epoch_checkpoints=True)) == (1, 1)
+    mib = 2**20
+    assert not space_report("/ckpt", int(2.36 * mib), "full", free_bytes=10 * mib,
+                            checkpoint_cfg=cfg(no_epoch_checkpoints=True))[1]
+
+
 # ------------------------------------------------------------ consolidated export
 
 

@@ -148,6 +148,11 @@ def launches(
                               f"LOCAL_RANK={rank}", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
                               "MASTER_PORT=29999", *commands[case]]
             save_dirs[name] = error_file
+    # srun's ranks have no error file: srun may kill local rank 0 before it prints
+    commands["--amp as srun's rank 1"] = [
+        "env", "-u", "RANK", "SLURM_PROCID=1", "SLURM_LOCALID=1", "SLURM_NTASKS=2",
+        "SLURM_NODELIST=localhost", "MASTER_PORT=29998", *commands["--amp"]]
+    save_dirs["--amp as srun's rank 1"] = save_dirs["--amp"]
     finished = run_concurrently(commands)
     return {name: (finished[name], save_dirs[name]) for name in commands}
 
@@ -214,6 +219,11 @@ def test_torchrun_names_the_one_line_and_only_rank_zero_prints_it(
         if rank == 0:
             assert printed == [recorded["message"]]
     assert lines[0] == lines[1] and (case in lines[0] or TYPO in lines[0])
+    if case == "--amp":
+        completed, _ = launches["--amp as srun's rank 1"]
+        assert completed.returncode != 0
+        assert [text for text in completed.stderr.splitlines() if "error:" in text] == [
+            lines[0]], completed.stderr[-2000:]
 
 
 @pytest.mark.parametrize(("case", "line"), [

@@ -342,6 +342,7 @@ def test_flags_in_errors_are_named_by_the_group_that_owns_the_key() -> None:
            "model": argparse.Namespace(share_all_embeddings=True)}
     assert in_hydra_keys(
         "--seed, --lr, --layers-per-unit 0 and --share-all-embeddings; torchrun "
-        "--nproc_per_node 2, /data/a--seed", job) == (
+        "--nproc_per_node 2, /data/a--seed, /data/--seed/x.pt, ./--lr", job) == (
         "common.seed, optimization.lr, task.layers_per_unit 0 and "
-        "model.share_all_embeddings; torchrun --nproc_per_node 2, /data/a--seed")
+        "model.share_all_embeddings; torchrun --nproc_per_node 2, /data/a--seed, "
+        "/data/--seed/x.pt, ./--lr")

@@ -232,6 +232,12 @@ def test_a_resume_says_which_saved_values_fairseq_keeps(runs: dict, tmp_path: Pa
             "0.0, which fairseq resumes with (this command gives betas (0.5, 0.6), "
             "weight_decay 0.1); to train with the new values, add --optimizer-overrides "
             "\"{'betas': (0.5, 0.6), 'weight_decay': 0.1}\"") in done.stdout + done.stderr
+    # one key given already: the line's flag keeps it (a second flag would replace it)
+    partly = [*args, "--optimizer-overrides", "{'betas': (0.5, 0.6)}"]
+    shutil.copyfile(runs["work"] / "fully_sharded" / "full" / "checkpoint1.pt", last)
+    done = run_command([tool("fairseq-train"), *partly], env=rank_environment(), timeout=300)
+    assert ("give --optimizer-overrides \"{'betas': (0.5, 0.6), 'weight_decay': 0.1}\""
+            in done.stdout + done.stderr), (done.stdout + done.stderr)[-3000:]
     overridden = [*args, "--optimizer-overrides", "{'betas': (0.5, 0.6), 'weight_decay': 0.1}"]
     shutil.copyfile(runs["work"] / "fully_sharded" / "full" / "checkpoint1.pt", last)
     done = run_command([tool("fairseq-train"), *overridden], env=rank_environment(),
@@ -246,5 +252,11 @@ def test_a_resume_says_which_saved_values_fairseq_keeps(runs: dict, tmp_path: Pa
         "is skipped or seen twice (the next epochs are whole); the saved batching continues "
         "it exactly, --reset-dataloader starts over at epoch 1")
     assert changed_batching(state, {"max_tokens": 1024, "batch_size": None}) is None
+    assert "(--batch-size None then, 8 now)" in changed_batching(  # set where it was not
+        state, {"max_tokens": 1024, "batch_size": 8})
+    state["cfg"]["common"] = {"seed": 1}  # another shuffle of the epoch's batches
+    assert "(--seed 1 then, 2 now)" in changed_batching(
+        state, {"max_tokens": 1024, "batch_size": None}, seed=2)
+    assert changed_batching(state, {"max_tokens": 1024, "batch_size": None}, seed=1) is None
     state["extra_state"]["train_iterator"]["iterations_in_epoch"] = 0  # at an epoch's end
     assert changed_batching(state, {"max_tokens": 2048, "batch_size": None}) is None

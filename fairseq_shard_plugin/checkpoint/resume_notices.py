@@ -3,8 +3,9 @@
 fairseq resumes with the optimizer's saved hyper-parameters (its ``param_groups``: Adam's
 betas, eps, weight decay), whatever the command gives, unless ``--optimizer-overrides``
 names them; and it continues an epoch after the saved number of batches, which under other
-batching (``--max-tokens``, ``--batch-size``) are other sentences. Both are fairseq's
-semantics and both went unsaid: a new ``--adam-betas`` had no effect while the next
+batching (``--max-tokens``, ``--batch-size``) or another ``--seed`` are other sentences.
+Both are fairseq's semantics and both went unsaid: a new ``--adam-betas`` had no effect
+while the next
 checkpoint's config recorded it, and a new ``--max-tokens`` skipped or repeated part of
 the epoch. Each becomes one warning that says what to do instead.
 """
@@ -19,6 +20,11 @@ from fairseq_shard_plugin.checkpoint.portable import config_entry
 _BATCHING = ("max_tokens", "batch_size", "required_batch_size_multiple")
 
 
+def _holds(section: Any, key: str) -> bool:
+    """Whether a saved config section (a dict, omegaconf, a Namespace) has ``key``."""
+    return key in section if hasattr(section, "keys") else hasattr(section, key)
+
+
 def _plain(value: Any) -> Any:
     """A hyper-parameter as compared and shown: lists and tuples as tuples of floats."""
     if isinstance(value, (list, tuple)):
@@ -26,14 +32,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _overridden(optimizer_overrides: Any) -> set[str]:
-    """The keys ``--optimizer-overrides`` sets (fairseq evaluates the text as a dict)."""
+def _overrides(optimizer_overrides: Any) -> dict[str, Any]:
+    """What ``--optimizer-overrides`` sets (fairseq evaluates the text as a dict)."""
     try:
         overrides = ast.literal_eval(optimizer_overrides) if isinstance(
             optimizer_overrides, str) else optimizer_overrides
     except (ValueError, SyntaxError):
-        return set()
-    return set(overrides) if isinstance(overrides, dict) else set()
+        return {}
+    return dict(overrides) if isinstance(overrides, dict) else {}
 
 
 def ignored_hyperparameters(state: dict[str, Any], current_group: dict[str, Any],
@@ -44,7 +50,7 @@ def ignored_hyperparameters(state: dict[str, Any], current_group: dict[str, Any]
     groups = saved_state.get("param_groups") if isinstance(saved_state, dict) else None
     if not isinstance(groups, list) or not groups or not isinstance(groups[0], dict):
         return None
-    saved, overridden = groups[0], _overridden(optimizer_overrides)
+    saved, overridden = groups[0], _overrides(optimizer_overrides)
     differing = {key: (_plain(saved[key]), _plain(value)) for key, value in current_group.items()
                  if key not in ("params", "lr", "initial_lr") and key not in overridden
                  and key in saved and isinstance(value, (int, float, tuple, list))
@@ -53,16 +59,18 @@ def ignored_hyperparameters(state: dict[str, Any], current_group: dict[str, Any]
         return None
     kept = ", ".join(f"{key} {old}" for key, (old, _) in differing.items())
     given = ", ".join(f"{key} {new}" for key, (_, new) in differing.items())
-    overrides = {key: new for key, (_, new) in differing.items()}
+    overrides = {**overridden, **{key: new for key, (_, new) in differing.items()}}
+    verb = "give" if overridden else "add"  # one flag: the given keys stay in it
     return (f"the checkpoint's optimizer state keeps {kept}, which fairseq resumes with "
-            f"(this command gives {given}); to train with the new values, add "
+            f"(this command gives {given}); to train with the new values, {verb} "
             f"--optimizer-overrides \"{overrides}\"")
 
 
-def changed_batching(state: dict[str, Any], dataset_cfg: Any) -> str | None:
-    """A warning where an epoch resumed in its middle is batched otherwise than when it was
-    saved: fairseq continues after the saved number of batches, which now hold other
-    sentences; or None."""
+def changed_batching(state: dict[str, Any], dataset_cfg: Any, seed: Any = None
+                     ) -> str | None:
+    """A warning where an epoch resumed in its middle is batched (or, with another
+    ``seed``, shuffled) otherwise than when it was saved: fairseq continues after the saved
+    number of batches, which now hold other sentences; or None."""
     iterator = (state.get("extra_state") or {}).get("train_iterator") if isinstance(
         state.get("extra_state"), dict) else None
     if not isinstance(iterator, dict) or not iterator.get("iterations_in_epoch"):
@@ -71,8 +79,13 @@ def changed_batching(state: dict[str, Any], dataset_cfg: Any) -> str | None:
     if saved_dataset is None:
         return None
     changes = [f"--{key.replace('_', '-')} {before} then, {now} now" for key in _BATCHING
-               if (before := config_entry(saved_dataset, key)) is not None
-               and (now := config_entry(dataset_cfg, key)) is not None and before != now]
+               if _holds(saved_dataset, key)  # None (unset) counts: it batches otherwise
+               and (before := config_entry(saved_dataset, key)) != (
+                   now := config_entry(dataset_cfg, key))]
+    saved_seed = config_entry(config_entry(state.get("cfg"), "common") or state.get("args"),
+                              "seed")
+    if seed is not None and saved_seed is not None and saved_seed != seed:
+        changes.append(f"--seed {saved_seed} then, {seed} now")
     if not changes:
         return None
     return (f"epoch {iterator.get('epoch')} resumes after {iterator['iterations_in_epoch']} "

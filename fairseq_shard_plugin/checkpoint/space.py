@@ -11,19 +11,27 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-# What fairseq writes at a save, in checkpoint sizes: the first name, then in the full
-# format copies of it to checkpoint_last.pt and (when validation improves) checkpoint_best.pt;
-# in the sharded format those names are small indexes of one set of shards.
-COPIES_PER_SAVE = {"full": 3, "sharded": 1}
-# What the next save adds while the first one's files stay: in the full format the new
-# checkpoint file fairseq keeps (checkpoint2.pt) and the temporary copy that replaces
-# checkpoint_last.pt; in the sharded format its own shards, written before the previous
-# ones may be removed.
-COPIES_ADDED_BY_THE_NEXT_SAVE = {"full": 2, "sharded": 1}
+
+def saves_in_copies(checkpoint_format: str, checkpoint_cfg: Any = None) -> tuple[int, int]:
+    """(what the first save writes, what the next one adds while the first one's files
+    stay), in checkpoint sizes. Sharded: one set of shards each (fairseq's names are small
+    indexes of it; the next set is written before the previous one may be removed). Full:
+    the first name, then copies to checkpoint_last.pt and (when validation improves)
+    checkpoint_best.pt; the next save adds the epoch or interval file fairseq keeps
+    (none under --no-epoch-checkpoints without --save-interval-updates) and the temporary
+    copy that replaces checkpoint_last.pt or checkpoint_best.pt."""
+    if checkpoint_format == "sharded":
+        return 1, 1
+    entry = (lambda key: getattr(checkpoint_cfg, key, None)) if checkpoint_cfg is not None \
+        else (lambda key: None)
+    kept = bool(not entry("no_epoch_checkpoints") or entry("save_interval_updates"))
+    last = not entry("no_last_checkpoints")
+    return int(kept) + int(last) + 1, int(kept) + 1
 
 
 # What DCP writes per chunk (one rank's piece of one tensor) beside its bytes: torch.save's
@@ -79,10 +87,13 @@ def free_space(directory: str) -> int:
 
 
 def space_report(save_dir: str, checkpoint_bytes: int, checkpoint_format: str,
-                 free_bytes: int | None = None) -> tuple[str, bool]:
-    """(the line to log, whether it is a warning: the first save or the next would not fit)."""
+                 free_bytes: int | None = None,
+                 checkpoint_cfg: Any = None) -> tuple[str, bool]:
+    """(the line to log, whether it is a warning: the first save or the next would not fit),
+    for the names ``checkpoint_cfg`` (fairseq's) keeps (:func:`saves_in_copies`)."""
     free = free_space(save_dir) if free_bytes is None else free_bytes
-    needed = checkpoint_bytes * COPIES_PER_SAVE[checkpoint_format]
+    first, next_adds = saves_in_copies(checkpoint_format, checkpoint_cfg)
+    needed = checkpoint_bytes * first
     stored = "fp32 " if checkpoint_format == "full" else ""  # sharded: as trained
     line = (f"checkpoints of this run: about {readable(checkpoint_bytes)} each "
             f"({stored}model and optimizer state, --checkpoint-format {checkpoint_format}); "
@@ -93,11 +104,12 @@ def space_report(save_dir: str, checkpoint_bytes: int, checkpoint_format: str,
                   if checkpoint_format == "full" else "")
         return (f"{line}, but a save writes up to {readable(needed)}{copies}: it will fail; "
                 "free space or pass another --save-dir"), True
-    next_needs = checkpoint_bytes * COPIES_ADDED_BY_THE_NEXT_SAVE[checkpoint_format]
+    next_needs = checkpoint_bytes * next_adds
     if free >= needed + next_needs:
         return line, False
-    why = ("a new checkpoint file and a temporary copy for checkpoint_last.pt"
-           if checkpoint_format == "full"
-           else "its shards, before the previous save's may be removed")
+    why = ("its shards, before the previous save's may be removed"
+           if checkpoint_format == "sharded" else
+           "a new checkpoint file and a temporary copy for checkpoint_last.pt" if next_adds > 1
+           else "a temporary copy for checkpoint_last.pt")
     return (f"{line}: room for one save, but the next one adds up to {readable(next_needs)} "
             f"({why}) and will fail; free space or pass another --save-dir"), True

@@ -283,7 +283,7 @@ def _say_what_the_resume_keeps(trainer: Any, reset_optimizer: bool, filename: st
                                            checkpoint_cfg.optimizer_overrides),
         None if checkpoint_cfg.reset_dataloader
         or filename == getattr(checkpoint_cfg, "finetune_from_model", None)
-        else changed_batching(state, trainer.cfg.dataset)]
+        else changed_batching(state, trainer.cfg.dataset, trainer.cfg.common.seed)]
     for notice in notices:
         if notice:
             logger.warning(f"{filename}: {notice}")

@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-_FLAG = re.compile(r"(?<![\w-])--([a-z0-9][a-z0-9-]*)")
+_FLAG = re.compile(r"(?<![\w\-/.])--([a-z0-9][a-z0-9-]*)")  # not inside a path
 
 
 def running_under_hydra() -> bool:

@@ -517,7 +517,8 @@ class ShardedTrainer(Trainer):
         checkpoint = self.cfg.checkpoint
         if checkpoint.no_save or not self.is_data_parallel_master:
             return
-        triples = ((param, local, state.get(local, {}))
+        saves_state = not checkpoint.no_save_optimizer_state
+        triples = ((param, local, state.get(local, {}) if saves_state else {})
                    for param, local in zip(optimizer.shards.params, optimizer.shards.locals,
                                            strict=True))
         try:
@@ -525,7 +526,7 @@ class ShardedTrainer(Trainer):
             line, too_little = space_report(
                 checkpoint.save_dir,
                 full_state_bytes(triples, self.shard_group_size, saved_as),
-                saved_as)
+                saved_as, checkpoint_cfg=checkpoint)
         except OSError as error:  # a notice only: never a reason to stop training
             logger.info(f"free space of {checkpoint.save_dir} unknown: {error}")
             return

@@ -200,8 +200,9 @@ def _check_restore_file(checkpoint_cfg: Any) -> None:
     if restore != "checkpoint_last.pt" and "://" not in restore:  # not the save dir's own
         named = restore.replace(".pt", f"{suffix}.pt")
         in_save_dir = os.path.join(checkpoint_cfg.save_dir, named)
-        advice = (f"{in_save_dir} (--restore-file is read from the working directory, not "
-                  "the save dir)" if not os.path.isabs(named) and os.path.isfile(in_save_dir)
+        advice = (f"{os.path.normpath(os.path.join(checkpoint_cfg.save_dir, restore))} "
+                  "(--restore-file is read from the working directory, not the save dir)"
+                  if not os.path.isabs(named) and os.path.isfile(in_save_dir)
                   else "an existing checkpoint, or leave --restore-file out to resume from "
                   "the save dir's checkpoint_last.pt")
         _check_checkpoint_file("--restore-file", named, advice)
