@@ -260,3 +260,14 @@ def test_a_resume_says_which_saved_values_fairseq_keeps(runs: dict, tmp_path: Pa
     assert changed_batching(state, {"max_tokens": 1024, "batch_size": None}, seed=1) is None
     state["extra_state"]["train_iterator"]["iterations_in_epoch"] = 0  # at an epoch's end
     assert changed_batching(state, {"max_tokens": 2048, "batch_size": None}) is None
+
+
+def test_the_overrides_advice_under_hydra_is_the_key_quoted_for_the_shell() -> None:
+    """fairseq-hydra-train takes no --optimizer-overrides flag (attackB #6)."""
+    from fairseq_shard_plugin.checkpoint.resume_notices import ignored_hyperparameters
+
+    state = {"last_optimizer_state": {"param_groups": [{"betas": [0.9, 0.98], "lr": 1.0}]}}
+    assert ignored_hyperparameters(state, {"betas": (0.5, 0.6), "lr": 2.0}, "{}",
+                                   hydra=True).endswith(
+        "add \"checkpoint.optimizer_overrides=\\\"{'betas': (0.5, 0.6)}\\\"\"")
+    assert ignored_hyperparameters(state, {"betas": (0.9, 0.98), "lr": 2.0}, "{}") is None

@@ -43,9 +43,10 @@ def _overrides(optimizer_overrides: Any) -> dict[str, Any]:
 
 
 def ignored_hyperparameters(state: dict[str, Any], current_group: dict[str, Any],
-                            optimizer_overrides: Any) -> str | None:
+                            optimizer_overrides: Any, hydra: bool = False) -> str | None:
     """A warning where the checkpoint's optimizer state keeps other values than this run's
-    optimizer was built with (its first parameter group ``current_group``), or None."""
+    optimizer was built with (its first parameter group ``current_group``), or None; with
+    ``hydra``, the override as fairseq-hydra-train takes it."""
     saved_state = state.get("last_optimizer_state")
     groups = saved_state.get("param_groups") if isinstance(saved_state, dict) else None
     if not isinstance(groups, list) or not groups or not isinstance(groups[0], dict):
@@ -61,9 +62,10 @@ def ignored_hyperparameters(state: dict[str, Any], current_group: dict[str, Any]
     given = ", ".join(f"{key} {new}" for key, (_, new) in differing.items())
     overrides = {**overridden, **{key: new for key, (_, new) in differing.items()}}
     verb = "give" if overridden else "add"  # one flag: the given keys stay in it
+    setting = (f'"checkpoint.optimizer_overrides=\\"{overrides}\\""' if hydra
+               else f"--optimizer-overrides \"{overrides}\"")
     return (f"the checkpoint's optimizer state keeps {kept}, which fairseq resumes with "
-            f"(this command gives {given}); to train with the new values, {verb} "
-            f"--optimizer-overrides \"{overrides}\"")
+            f"(this command gives {given}); to train with the new values, {verb} {setting}")
 
 
 def changed_batching(state: dict[str, Any], dataset_cfg: Any, seed: Any = None

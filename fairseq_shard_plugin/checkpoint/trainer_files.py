@@ -55,6 +55,7 @@ from fairseq_shard_plugin.checkpoint.stock_optimizer_state import (
 from fairseq_shard_plugin.sharding.full_state import share_tied_tensors, tied_parameter_names
 from fairseq_shard_plugin.sharding.options import checkpoint_format
 from fairseq_shard_plugin.tasks.multilingual_checks import language_order_problem
+from fairseq_shard_plugin.training.hydra_keys import in_hydra_keys, running_under_hydra
 from fairseq_shard_plugin.training.run_hooks import checkpoint_read
 
 logger = logging.getLogger(__name__)
@@ -276,17 +277,17 @@ def _say_what_the_resume_keeps(trainer: Any, reset_optimizer: bool, filename: st
                                state: dict[str, Any]) -> None:
     """Warn where fairseq resumes with saved values the command changed (``resume_notices``):
     the optimizer's hyper-parameters, an epoch's position under other batching."""
-    checkpoint_cfg = trainer.cfg.checkpoint
+    checkpoint_cfg, hydra = trainer.cfg.checkpoint, running_under_hydra()
     groups = None if reset_optimizer else getattr(trainer.optimizer, "param_groups", None)
     notices = [
         groups and ignored_hyperparameters(state, groups[0],
-                                           checkpoint_cfg.optimizer_overrides),
+                                           checkpoint_cfg.optimizer_overrides, hydra),
         None if checkpoint_cfg.reset_dataloader
         or filename == getattr(checkpoint_cfg, "finetune_from_model", None)
         else changed_batching(state, trainer.cfg.dataset, trainer.cfg.common.seed)]
     for notice in notices:
         if notice:
-            logger.warning(f"{filename}: {notice}")
+            logger.warning(f"{filename}: {in_hydra_keys(notice, trainer.cfg) if hydra else notice}")
 
 
 # the plugin's chunked criterion computes the stock one's loss, and neither keeps state
