@@ -247,8 +247,8 @@ def test_a_resume_says_which_saved_values_fairseq_keeps(runs: dict, tmp_path: Pa
     state = {"cfg": {"dataset": {"max_tokens": 1024, "batch_size": None}},
              "extra_state": {"train_iterator": {"epoch": 1, "iterations_in_epoch": 6}}}
     assert changed_batching(state, {"max_tokens": 2048, "batch_size": None}) == (
-        "epoch 1 resumes after 6 batches per rank, batched otherwise than when saved "
-        "(--max-tokens 1024 then, 2048 now): they are other sentences, so part of the epoch "
+        "epoch 1 resumes after 6 batches per rank, batched or shuffled otherwise than when "
+        "saved (--max-tokens 1024 then, 2048 now): they are other sentences, so part of the epoch "
         "is skipped or seen twice (the next epochs are whole); the saved batching continues "
         "it exactly, --reset-dataloader starts over at epoch 1")
     assert changed_batching(state, {"max_tokens": 1024, "batch_size": None}) is None

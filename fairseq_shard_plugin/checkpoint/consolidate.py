@@ -411,11 +411,12 @@ def export_checkpoints(
     """:func:`export_consolidated` of one source, or of the mean of several sources'
     weights (:mod:`.averaging`), with the first one's config."""
     paths = [resolve_checkpoint(source) for source in sources]
-    for path in paths:  # the source's folder is a save dir: its checkpoint names refused
-        problem = export_target_problem(destination, source=path, save_dir=path.parent)
-        if problem is None and len(paths) > 1 and os.path.lexists(destination):
-            problem = ("it exists, and the last path given is the output (an input's name "
-                       "there would be replaced by the average): remove it first")
+    problems = [export_target_problem(destination, source=path, save_dir=path.parent)
+                for path in paths]  # a source's folder is a save dir: its names refused
+    if len(paths) > 1 and os.path.lexists(destination):
+        problems.append("it exists, and the last path given is the output (an input's name "
+                        "there would be replaced by the average): remove it first")
+    for problem in problems:
         if problem:
             raise ConsolidateError(f"refusing to write the export to {destination}: "
                                    f"{problem}; name another file (e.g. model.pt)")

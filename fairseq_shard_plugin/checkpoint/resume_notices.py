@@ -5,9 +5,8 @@ betas, eps, weight decay), whatever the command gives, unless ``--optimizer-over
 names them; and it continues an epoch after the saved number of batches, which under other
 batching (``--max-tokens``, ``--batch-size``) or another ``--seed`` are other sentences.
 Both are fairseq's semantics and both went unsaid: a new ``--adam-betas`` had no effect
-while the next
-checkpoint's config recorded it, and a new ``--max-tokens`` skipped or repeated part of
-the epoch. Each becomes one warning that says what to do instead.
+while the next checkpoint's config recorded it, and a new ``--max-tokens`` skipped or
+repeated part of the epoch. Each becomes one warning that says what to do instead.
 """
 
 from __future__ import annotations
@@ -91,7 +90,8 @@ def changed_batching(state: dict[str, Any], dataset_cfg: Any, seed: Any = None
     if not changes:
         return None
     return (f"epoch {iterator.get('epoch')} resumes after {iterator['iterations_in_epoch']} "
-            f"batches per rank, batched otherwise than when saved ({'; '.join(changes)}): "
+            f"batches per rank, batched or shuffled otherwise than when saved "
+            f"({'; '.join(changes)}): "
             "they are other sentences, so part of the epoch is skipped or seen twice (the "
             "next epochs are whole); the saved batching continues it exactly, "
             "--reset-dataloader starts over at epoch 1")

@@ -27,10 +27,9 @@ def saves_in_copies(checkpoint_format: str, checkpoint_cfg: Any = None) -> tuple
     copy that replaces checkpoint_last.pt or checkpoint_best.pt."""
     if checkpoint_format == "sharded":
         return 1, 1
-    entry = (lambda key: getattr(checkpoint_cfg, key, None)) if checkpoint_cfg is not None \
-        else (lambda key: None)
-    kept = bool(not entry("no_epoch_checkpoints") or entry("save_interval_updates"))
-    last = not entry("no_last_checkpoints")
+    kept = bool(not getattr(checkpoint_cfg, "no_epoch_checkpoints", False)
+                or getattr(checkpoint_cfg, "save_interval_updates", 0))
+    last = not getattr(checkpoint_cfg, "no_last_checkpoints", False)
     return int(kept) + int(last) + 1, int(kept) + 1
 
 
