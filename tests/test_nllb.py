@@ -23,7 +23,14 @@ from fairseq_shard_plugin.tasks.multilingual_config import (
     task_options,
     task_parser,
 )
-from launching.harness import PLUGIN_DIR, REPO, run_command, run_training, tool
+from launching.harness import (
+    PLUGIN_DIR,
+    REPO,
+    rank_environment,
+    run_command,
+    run_training,
+    tool,
+)
 
 from tiny_training import ON_NLLB_BRANCH
 
@@ -341,6 +348,16 @@ def test_a_checkpoint_trained_with_langs_file_stores_the_list(
     state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
     assert state["cfg"]["task"]["langs"] == codes
     assert state["cfg"]["model"]["langs"] == codes  # a plain dict
+    # under another backend too (fairseq's own trainer): it stored the path, and generation
+    # in another order translated differently, exit 0 (attackC #1)
+    other = tmp_path / "legacy_ddp"
+    stock_backend = [*args, "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "legacy_ddp",
+                     "--disable-validation"]
+    stock_backend[stock_backend.index("--save-dir") + 1] = str(other)
+    trained = run_command([tool("fairseq-train"), *stock_backend], env=rank_environment())
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert torch.load(other / "checkpoint_last.pt", weights_only=True)["cfg"]["task"][
+        "langs"] == codes
     old = {"cfg": {"task": {"langs": str(multilingual / "langs.txt")},
                    "model": argparse.Namespace(langs=",".join(codes))}}
     upgraded = languages_as_lists(old)
@@ -442,6 +459,9 @@ def test_only_what_the_checkpoint_itself_says_numbers_its_language_tokens(
         "eng_Latn", "deu_Latn"]
     assert languages_numbering_the_tokens(task(lang_dict=str(langs))) is None
     assert languages_numbering_the_tokens(task(langs=str(langs))) is None
+    # the codes themselves, as a run under another backend stored them before
+    assert languages_numbering_the_tokens(task(langs="eng_Latn,deu_Latn")) == [
+        "eng_Latn", "deu_Latn"]
     assert languages_numbering_the_tokens(task(lang_pairs="fra_Latn-eng_Latn,deu_Latn-eng_Latn")
                                           ) == ["deu_Latn", "eng_Latn", "fra_Latn"]
     assert languages_numbering_the_tokens(task(lang_pairs=["eng_Latn-fra_Latn"])) == [

@@ -120,6 +120,8 @@ def languages_numbering_the_tokens(state: Any) -> list[str] | None:
     from another directory, an edited file), so it is never the ground for a refusal."""
     task = _config_section(state, "task")
     langs = config_entry(task, "langs")
+    if isinstance(langs, str) and "," in langs:  # the codes themselves, not a file's path
+        return [code.strip() for code in langs.split(",") if code.strip()]
     if langs is not None and not isinstance(langs, str):
         try:
             return [str(code) for code in langs]

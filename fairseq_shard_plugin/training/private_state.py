@@ -20,6 +20,7 @@ from typing import Any
 
 from fairseq.logging import metrics
 
+from fairseq_shard_plugin.checkpoint.portable import languages_as_lists
 from fairseq_shard_plugin.checkpoint.reading import private_copies_of_mapped
 from fairseq_shard_plugin.training.run_hooks import loading_into_stock_trainer
 
@@ -44,7 +45,7 @@ def release_checkpoint_pages(trainer: Any) -> int:
 def with_private_loaded_state(stock_trainer: type) -> type:
     """``stock_trainer`` whose ``load_checkpoint`` reads the file on every rank, takes the
     plugin's optimizer state where its layout fits (hook 6) and ends with
-    :func:`release_checkpoint_pages`."""
+    :func:`release_checkpoint_pages`, and whose ``state_dict`` stores language lists."""
 
     class PrivateStateTrainer(stock_trainer):  # type: ignore[misc, valid-type]
         def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
@@ -60,5 +61,14 @@ def with_private_loaded_state(stock_trainer: type) -> type:
                 extra_state = super().load_checkpoint(*args, **kwargs)
             release_checkpoint_pages(self)
             return extra_state
+
+        def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+            """fairseq's state, its ``--langs FILE`` (or ``--lang-dict``) stored as the list
+            of codes that numbered the language tokens, as the plugin's trainer saves it:
+            generation and resumes check the order against it (a path is never checked)."""
+            state = super().state_dict(*args, **kwargs)
+            if isinstance(state, dict) and "model" not in state:  # nllb: {filename: state}
+                return {name: languages_as_lists(value) for name, value in state.items()}
+            return languages_as_lists(state)
 
     return PrivateStateTrainer
