@@ -28,7 +28,8 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    ends by copying what it keeps out of the mapped checkpoint file (hook 6 maps it; see
    ``training.private_state``): torch's optimizer keeps the loaded moments themselves; and
    so that every rank reads the file (rank 0's broadcast of fairseq's loaded config cannot
-   be unpickled under torch >= 2.6).
+   be unpickled under torch >= 2.6); its ``state_dict`` stores a ``--langs`` file's codes,
+   not its path, as the plugin's trainer does (the language checks compare that list).
    ``ShardedTrainer`` overrides two of the Trainer's private methods, for want of public ones:
    ``_build_optimizer`` (the optimizer steps on fp32 master shards) and
    ``_reduce_and_log_stats`` (an fp16 update skipped for overflow logs nothing, as in
