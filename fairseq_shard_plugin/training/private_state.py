@@ -8,7 +8,8 @@ what they are given. A file rewritten in place later (fairseq 0.12 copied
 state under the training: NaN, or worse, wrong numbers without one.
 :func:`release_checkpoint_pages` gives each such tensor memory of its own. Both the
 plugin's trainer and, through integration hook 2, fairseq's own trainer under any other
-``--ddp-backend`` call it at the end of ``load_checkpoint``.
+``--ddp-backend`` call it at the end of ``load_checkpoint``. That subclass of fairseq's
+trainer also saves a multilingual run's language list rather than its file's path.
 """
 
 from __future__ import annotations
