@@ -209,6 +209,10 @@ def test_every_plugin_option_is_listed_in_the_configs(config: str) -> None:
     ("common.amp=true",
      "common.amp is not supported with distributed_training.ddp_backend fully_sharded: use "
      "common.fp16 or common.bf16"),
+    ("distributed_training.distributed_world_size=2",  # the launcher of this command
+     "2 CPU ranks need a launcher: run `torchrun --nproc_per_node 2 "
+     "$(which fairseq-hydra-train) ...` instead of "
+     "distributed_training.distributed_world_size"),
     ("task._name=translation",  # stock's task to compare, the config's plugin keys kept
      "task.shard_engine: not an option of task translation: an option of the plugin's "
      "tasks, not of translation (task._name=sharded_translation or "

@@ -13,6 +13,7 @@ from fairseq_shard_plugin.checkpoint.sharded import SHARDS_DIR
 from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
 from fairseq_shard_plugin.sharding.settings import shard_group_size
+from fairseq_shard_plugin.training.hydra_keys import running_under_hydra
 from fairseq_shard_plugin.training.launch_env import launched_by_torchrun, uses_cuda
 from fairseq_shard_plugin.training.signal_stop import parse_signals
 
@@ -275,10 +276,11 @@ def _check_parallelism_and_launch(cfg: Any) -> None:
         and dist_cfg.distributed_init_method is None
         and not launched_by_torchrun()
     ):
+        command = "fairseq-hydra-train" if running_under_hydra() else "fairseq-train"
         raise ShardingConfigError(
             f"{dist_cfg.distributed_world_size} CPU ranks need a launcher: run "
             f"`torchrun --nproc_per_node {dist_cfg.distributed_world_size} "
-            "$(which fairseq-train) ...` instead of --distributed-world-size"
+            f"$(which {command}) ...` instead of --distributed-world-size"
         )
 
 
