@@ -205,7 +205,7 @@ def test_every_plugin_option_is_listed_in_the_configs(config: str) -> None:
      "Integer"),
     # the plugin's checks before training name fairseq-train's flags: written as the keys
     ("task.layers_per_unit=0",
-     "task.layers_per_unit 0: give 1 (every layer its own unit) or more"),
+     "task.layers_per_unit=0: give 1 (every layer its own unit) or more"),
     ("common.amp=true",
      "common.amp is not supported with distributed_training.ddp_backend fully_sharded: use "
      "common.fp16 or common.bf16"),
@@ -350,3 +350,6 @@ def test_flags_in_errors_are_named_by_the_group_that_owns_the_key() -> None:
         "common.seed, optimization.lr, task.layers_per_unit 0 and "
         "model.share_all_embeddings; torchrun --nproc_per_node 2, /data/a--seed, "
         "/data/--seed/x.pt, ./--lr")
+    # a line opening with a flag and its value opens with the override as Hydra reads it
+    assert in_hydra_keys("--layers-per-unit 0: give 1 or more", job) == (
+        "task.layers_per_unit=0: give 1 or more")

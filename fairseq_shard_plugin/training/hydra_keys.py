@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+_OPENING = re.compile(r"(--[a-z0-9][a-z0-9-]*) [^\s:]+:")  # "--flag VALUE: ..."
 _FLAG = re.compile(r"(?<![\w\-/.])--([a-z0-9][a-z0-9-]*)")  # not inside a path
 
 
@@ -60,6 +61,11 @@ def _keys_of(section: Any) -> list[Any]:
 
 
 def in_hydra_keys(message: str, cfg: Mapping[str, Any]) -> str:
-    """``message`` with each flag that names a key of ``cfg`` written as that key."""
+    """``message`` with each flag that names a key of ``cfg`` written as that key; a line
+    that opens with a flag and its value (``--layers-per-unit 0: ...``) opens with the
+    override as Hydra reads it (``task.layers_per_unit=0: ...``)."""
     keys = config_keys_by_flag(cfg)
+    opening = _OPENING.match(message)
+    if opening and opening.group(1) in keys:
+        message = f"{keys[opening.group(1)]}={message[len(opening.group(1)) + 1:]}"
     return _FLAG.sub(lambda found: keys.get(found.group(0), found.group(0)), message)
