@@ -118,6 +118,11 @@ def training_args(
         "--max-tokens", str(max_tokens), "--max-update", str(max_update),
         "--seed", str(seed), "--clip-norm", "1.0",
         "--log-format", "json", "--log-interval", "1", "--num-workers", "0",
+        # no prefetch thread: where training stops inside an epoch (--max-update), fairseq's
+        # thread was still loading batches at interpreter exit and a rank could abort
+        # ("terminate called without an active exception", -6; stock fairseq's runs too);
+        # the batches and their order are the same without it
+        "--data-buffer-size", "0",
     ]
 
 
