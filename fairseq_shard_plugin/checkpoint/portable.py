@@ -142,7 +142,7 @@ def stored_language_tokens(state: Any) -> tuple[Any, bool] | None:
     """The checkpoint's ``--encoder-langtok`` and ``--decoder-langtok`` (``cfg.task``), or
     None where its task config has neither (another task)."""
     section = _config_section(state, "task")
-    if section is None or not any(_has(section, key) for key in LANGUAGE_TOKEN_OPTIONS):
+    if section is None or not any(config_has(section, key) for key in LANGUAGE_TOKEN_OPTIONS):
         return None
     return (config_entry(section, "encoder_langtok"),
             bool(config_entry(section, "decoder_langtok")))
@@ -151,8 +151,9 @@ def stored_language_tokens(state: Any) -> tuple[Any, bool] | None:
 LANGUAGE_TOKEN_OPTIONS = ("encoder_langtok", "decoder_langtok")
 
 
-def _has(section: Any, key: str) -> bool:
-    return key in section if isinstance(section, dict) else hasattr(section, key)
+def config_has(section: Any, key: str) -> bool:
+    """Whether a config section (a dict, omegaconf, a Namespace) has ``key``, set or None."""
+    return key in section if hasattr(section, "keys") else hasattr(section, key)
 
 
 def _codes_in(text: str, one_a_line: bool) -> list[str] | None:

@@ -14,14 +14,9 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from fairseq_shard_plugin.checkpoint.portable import config_entry
+from fairseq_shard_plugin.checkpoint.portable import config_entry, config_has
 
 _BATCHING = ("max_tokens", "batch_size", "required_batch_size_multiple")
-
-
-def _holds(section: Any, key: str) -> bool:
-    """Whether a saved config section (a dict, omegaconf, a Namespace) has ``key``."""
-    return key in section if hasattr(section, "keys") else hasattr(section, key)
 
 
 def _plain(value: Any) -> Any:
@@ -80,7 +75,7 @@ def changed_batching(state: dict[str, Any], dataset_cfg: Any, seed: Any = None
     if saved_dataset is None:
         return None
     changes = [f"--{key.replace('_', '-')} {before} then, {now} now" for key in _BATCHING
-               if _holds(saved_dataset, key)  # None (unset) counts: it batches otherwise
+               if config_has(saved_dataset, key)  # None (unset) counts: it batches otherwise
                and (before := config_entry(saved_dataset, key)) != (
                    now := config_entry(dataset_cfg, key))]
     saved_seed = config_entry(config_entry(state.get("cfg"), "common") or state.get("args"),
