@@ -56,20 +56,26 @@ def _exit_code(error: SystemExit) -> int:
     return 1
 
 
+def _is_this_python(program: str) -> bool:
+    """Whether ``program`` names this interpreter (``venv/../venv/bin/python`` too)."""
+    return os.path.abspath(program) == os.path.abspath(sys.executable)
+
+
 def _run_entry(argv: list[str]) -> int:
     """Run ``argv`` as the command line would, in this (forked) process; its exit code."""
-    if argv[0] == sys.executable and argv[1:2] == ["-c"]:
+    python = _is_this_python(argv[0])
+    if python and argv[1:2] == ["-c"]:
         sys.argv = ["-c", *argv[3:]]
         sys.path[0] = ""
         code = compile(argv[2], "<string>", "exec")
         run = lambda: exec(code, {"__name__": "__main__"})  # noqa: E731
-    elif argv[0] == sys.executable and argv[1:2] == ["-m"]:
+    elif python and argv[1:2] == ["-m"]:
         sys.argv = [argv[2], *argv[3:]]
         sys.path[0] = os.getcwd()
         run = lambda: runpy.run_module(argv[2], run_name="__main__", alter_sys=True)  # noqa: E731
     else:
-        script = argv[1] if argv[0] == sys.executable else argv[0]
-        sys.argv = argv[1:] if argv[0] == sys.executable else list(argv)
+        script = argv[1] if python else argv[0]
+        sys.argv = argv[1:] if python else list(argv)
         sys.path[0] = str(Path(script).resolve().parent)
         run = lambda: runpy.run_path(script, run_name="__main__")  # noqa: E731
     try:
@@ -248,14 +254,15 @@ def can_fork(argv: list[str]) -> bool:
     with a CUDA device, where a fork of a process that has touched CUDA cannot use it."""
     if os.environ.get(ENABLE_VARIABLE) != "1" or not argv or _has_cuda_device():
         return False
-    if argv[0] == sys.executable:
+    if _is_this_python(argv[0]):
         return len(argv) > 2 and (argv[1] in ("-c", "-m") or argv[1].endswith(".py"))
     try:
         with open(argv[0], "rb") as script:
             first_line = script.readline()
     except OSError:
         return False
-    return first_line.strip() == f"#!{sys.executable}".encode()
+    shebang = first_line.strip()
+    return shebang.startswith(b"#!") and _is_this_python(os.fsdecode(shebang[2:]))
 
 
 def _has_cuda_device() -> bool:
