@@ -9,8 +9,10 @@ setup(
     package_data={"fairseq_shard_plugin.sharding": ["native_adam.c"]},
     python_requires=">=3.10",
     # torch and fairseq are not pinned here: an existing fairseq (e.g. the NLLB branch) and
-    # its torch must never be replaced. Install torch first (the Makefile pins 2.13.0).
-    install_requires=["torch>=2.6"],
+    # its torch must never be replaced, not even to meet a floor (the package refuses a torch
+    # older than 2.11 itself: torch_support.py). Install torch first (the Makefile pins
+    # 2.13.0).
+    install_requires=["torch"],
     extras_require={
         # A prebuilt Python 3.11 build of fairseq 0.12.3, for machines without one.
         "fairseq": ["ve-fairseq==0.12.3"],

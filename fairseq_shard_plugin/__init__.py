@@ -20,7 +20,16 @@ from __future__ import annotations
 
 import sys
 
+from fairseq_shard_plugin.errors import exit_with
+from fairseq_shard_plugin.torch_support import installed_torch, torch_problem
+
 __version__ = "0.1.0"
+
+# Every use of the package (user dir, console scripts, imports) stops here in one line on a
+# torch it cannot run on, instead of failing later inside FSDP2 or a checkpoint write.
+_TORCH_PROBLEM = torch_problem(installed_torch())
+if _TORCH_PROBLEM:
+    exit_with(f"fairseq-shard-plugin: error: {_TORCH_PROBLEM}")  # torchrun's summary too
 
 
 def activate() -> None:

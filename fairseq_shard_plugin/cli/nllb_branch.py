@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fairseq_shard_plugin.torch_support import torch_problem
+
 PROG = "fairseq-shard-prepare-nllb-branch"
 
 #: Paths only the nllb branch has, besides the ``fairseq`` package itself.
@@ -304,6 +306,9 @@ def prepare(checkout: Path, python: str, dry_run: bool) -> None:
     """Everything the console script does; a PrepareError on the first failure."""
     check_checkout(checkout)
     torch_before = torch_version(python)
+    problem = torch_problem(torch_before)
+    if problem:  # before anything is rewritten or installed
+        raise PrepareError(f"{python}: {problem}")
     changed = rewrite_checkout(checkout)
     for path in changed:
         print(f"rewrote dataclass defaults in {path.relative_to(checkout)}")
