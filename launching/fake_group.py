@@ -20,6 +20,7 @@ def trainer_on_fake_group(fairseq_args: list[str], world_size: int) -> object:
     from fairseq_shard_plugin.training.trainer import ShardedTrainer
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    _give_reduce_scatter_outputs_values()
     args = fairseq_options.parse_args_and_arch(fairseq_options.get_training_parser(),
                                                fairseq_args)
     cfg = convert_namespace_to_omegaconf(args)
@@ -30,3 +31,33 @@ def trainer_on_fake_group(fairseq_args: list[str], world_size: int) -> object:
     torch.manual_seed(0)
     model = task.build_model(cfg.model)
     return ShardedTrainer(cfg, task, model, task.build_criterion(cfg.criterion))
+
+
+def _give_reduce_scatter_outputs_values() -> None:
+    """Make the fake group's reduce-scatter write its output, as torch 2.13's does.
+
+    torch 2.13's fake group copies the input's first slice into the output; 2.11's (the GPU
+    machine's) leaves the output's memory as it was allocated, so the gradient shards held
+    whatever was there before (NaN or Inf at random, and fairseq stopped the step with
+    "gradients are Nan/Inf"). The copy allocates nothing: the memory measured is the same.
+    """
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+
+    probe = torch.zeros(1)
+    dist.reduce_scatter_tensor(probe, torch.ones(dist.get_world_size()))
+    if probe.item() == 1.0:  # this torch's fake group writes the output itself
+        return
+    collective = dist.reduce_scatter_tensor
+    parameters = inspect.signature(collective)
+
+    def reduce_scatter_tensor(*args: object, **kwargs: object) -> object:
+        work = collective(*args, **kwargs)
+        given = parameters.bind(*args, **kwargs).arguments
+        output, tensor = given["output"], given["input"]
+        output.copy_(tensor.reshape(-1)[: output.numel()].view_as(output))
+        return work
+
+    dist.reduce_scatter_tensor = reduce_scatter_tensor

@@ -271,3 +271,60 @@ def test_the_overrides_advice_under_hydra_is_the_key_quoted_for_the_shell() -> N
                                    hydra=True).endswith(
         "add \"checkpoint.optimizer_overrides=\\\"{'betas': (0.5, 0.6)}\\\"\"")
     assert ignored_hyperparameters(state, {"betas": (0.9, 0.98), "lr": 2.0}, "{}") is None
+
+
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
+def test_a_run_that_saved_no_optimizer_state_continues_at_its_update(
+    runs: dict, tmp_path: Path, corpus: Path, checkpoint_format: str
+) -> None:
+    """--no-save-optimizer-state: rerunning the command was refused as if the checkpoint were
+    an export, with advice that failed the same way (T1 #1); stock continues at update 0.
+    It continues at the saved update, with the saved schedule and a fresh optimizer."""
+    args = [*_args(corpus, tmp_path, "fully_sharded"), "--no-save-optimizer-state",
+            "--checkpoint-format", checkpoint_format]
+    epoch = args.index("--max-epoch")
+    args[epoch + 1] = "1"
+    done = run_command([tool("fairseq-train"), *args], env=rank_environment(), timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    args[epoch + 1] = "3"
+    done = run_command([tool("fairseq-train"), *args], env=rank_environment(), timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert ("its run saved no optimizer state (--no-save-optimizer-state): continuing at its "
+            "update with its weights, data position and learning-rate schedule, and a fresh "
+            "optimizer") in output
+    summary = parse_logs(output)["train"][-1]
+    full = result_of(runs["full"], "fully_sharded")
+    assert summary["epoch"] == full["epoch"] == 3
+    assert summary["train_num_updates"] == full["train_num_updates"]  # not restarted at 0
+    assert summary["train_lr"] == full["train_lr"]  # the schedule went on from its update
+    assert 0 < float(summary["train_loss"]) < 20
+
+
+def test_a_resume_under_another_lr_scheduler_names_the_flag(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """fixed's saved state has no 'best' for inverse_sqrt: the line said only "could not be
+    loaded: KeyError: 'best'", blaming the checkpoint, and the traceback was gone (T1 #2)."""
+    args = _args(corpus, tmp_path, "fully_sharded")
+    fixed = list(args)
+    fixed[fixed.index("inverse_sqrt")] = "fixed"
+    warmup = fixed.index("--warmup-updates")
+    del fixed[warmup:warmup + 2]
+    fixed[fixed.index("--max-epoch") + 1] = "1"
+    done = run_command([tool("fairseq-train"), *fixed], env=rank_environment(), timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    last = tmp_path / "checkpoint_last.pt"
+    before = last.read_bytes()
+    done = run_command([tool("fairseq-train"), *args], env=rank_environment(), timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"fairseq-shard-plugin: error: {last}: its learning-rate schedule (--lr-scheduler "
+        "fixed) does not load into this run's --lr-scheduler inverse_sqrt (KeyError: 'best'): "
+        "add --reset-lr-scheduler to let inverse_sqrt take over at the checkpoint's update "
+        "(weights, optimizer state and update count are kept)")
+    assert last.read_bytes() == before
+    done = run_command([tool("fairseq-train"), *args, "--reset-lr-scheduler"],
+                       env=rank_environment(), timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert parse_logs(done.stdout + done.stderr)["train"][-1]["epoch"] == 3

@@ -12,6 +12,7 @@ import torch
 
 from fairseq_shard_plugin.checkpoint.atomic_files import WriteError
 from fairseq_shard_plugin.checkpoint.integrity import RESUME_HINT
+from fairseq_shard_plugin.checkpoint.portable import config_entry
 from fairseq_shard_plugin.checkpoint.reading import NotACheckpointError, read_checkpoint
 from fairseq_shard_plugin.errors import ShardPluginError
 
@@ -108,6 +109,14 @@ def _first_line(error: BaseException) -> str:
 _LOAD_STATE_DICT_HEADING = "Error(s) in loading state_dict for "
 
 
+def _innermost(error: BaseException) -> BaseException:
+    seen = {id(error)}
+    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        error = inner
+    return error
+
+
 def first_cause(error: BaseException) -> str:
     """The innermost exception behind ``error`` as ``Type: first line``.
 
@@ -116,13 +125,7 @@ def first_cause(error: BaseException) -> str:
     torch's ``load_state_dict`` error lists each parameter's failure after a heading line:
     the first of them is the line that says what went wrong.
     """
-    seen = {id(error)}
-    while True:
-        inner = error.__cause__ or error.__context__
-        if inner is None or id(inner) in seen:
-            break
-        seen.add(id(inner))
-        error = inner
+    error = _innermost(error)
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     if len(lines) > 1 and lines[0].startswith(_LOAD_STATE_DICT_HEADING):
         return f"{type(error).__name__}: {lines[1]}"
@@ -161,6 +164,31 @@ def _unpickler_cause(error: BaseException) -> str:
     text = str(error).split("WeightsUnpickler error:", 1)[1]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0][:200] if lines else "no reason given"
+
+
+def describe_schedule_problem(filename: str, error: BaseException, scheduler: str) -> str | None:
+    """One line when ``error`` arose in a fairseq learning-rate scheduler's
+    ``load_state_dict`` (the checkpoint's run used another ``--lr-scheduler``, e.g. ``fixed``
+    has no ``best`` for ``inverse_sqrt``); None for any other failure."""
+    inner, frames = _innermost(error), []
+    trace = inner.__traceback__
+    while trace is not None:
+        frames.append(trace.tb_frame)
+        trace = trace.tb_next
+    if not any(frame.f_code.co_name == "load_state_dict" and str(
+            frame.f_globals.get("__name__", "")).startswith("fairseq.optim.lr_scheduler")
+            for frame in frames):
+        return None
+    try:
+        cfg = read_checkpoint(filename, "meta").get("cfg")
+        saved = config_entry(config_entry(cfg, "lr_scheduler"), "_name")
+    except Exception:  # the file was read a moment ago; without its name the line still says
+        saved = None
+    used = f"--lr-scheduler {saved}" if saved and saved != scheduler else "other settings"
+    return (f"{filename}: its learning-rate schedule ({used}) does not load into this run's "
+            f"--lr-scheduler {scheduler} ({first_cause(error)}): add --reset-lr-scheduler to "
+            f"let {scheduler} take over at the checkpoint's update (weights, optimizer state "
+            "and update count are kept)")
 
 
 def describe_checkpoint_problem(

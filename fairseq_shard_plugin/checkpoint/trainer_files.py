@@ -148,6 +148,7 @@ def verify_full_checkpoint(filename: str) -> None:
 def trainer_state_loader(
     trainer: Any, reset_optimizer: bool,
     record_saved_ranks: Callable[[dict[str, Any], int], None],
+    on_fresh_optimizer: Callable[[], None] = lambda: None,
 ) -> Callable[[str, dict[str, Any]], dict[str, Any]]:
     """For fairseq's loader (hook 6): the state the trainer loads from a checkpoint's contents.
 
@@ -155,25 +156,37 @@ def trainer_state_loader(
     :func:`_load_shards`); one rank's file of stock fairseq's sharded state becomes the
     whole set's full state (``fairscale_shards``); a full checkpoint written without the
     plugin has its optimizer state adopted when it fits (``stock_optimizer_state``). A file
-    without optimizer state is refused unless the optimizer is reset (a fine-tune).
+    without optimizer state is refused unless the optimizer is reset (a fine-tune) or its
+    own run chose not to save it (``--no-save-optimizer-state``): that run continues with a
+    fresh optimizer, and ``on_fresh_optimizer`` is called for the trainer to restore the
+    update count and schedule that fairseq restores only with optimizer state.
     ``record_saved_ranks`` notes in the extra state how many ranks saved a stock
     ``fully_sharded`` checkpoint (its config says; the trainer then converts the data
     position for this run's ranks).
     """
 
     def load(filename: str, state: dict[str, Any]) -> dict[str, Any]:
-        if not reset_optimizer and "last_optimizer_state" not in state:
+        fresh_optimizer = not reset_optimizer and saved_without_optimizer_state(state)
+        if fresh_optimizer:
+            on_fresh_optimizer()
+        if fresh_optimizer and getattr(trainer, "is_data_parallel_master", False):
+            logger.warning(
+                f"{filename}: its run saved no optimizer state (--no-save-optimizer-state): "
+                "continuing at its update with its weights, data position and learning-rate "
+                "schedule, and a fresh optimizer (Adam's moments start again from zero)")
+        skip_optimizer = reset_optimizer or fresh_optimizer
+        if not skip_optimizer and "last_optimizer_state" not in state:
             raise CheckpointLoadError(
                 f"{filename}: holds no optimizer state (an export for inference?), so a "
                 "resume would restart at update 0 and overwrite this save dir's checkpoints "
                 f"of those updates: to train from its weights, give --finetune-from-model "
                 f"{filename} (or --reset-optimizer); to resume, restore a training "
                 "checkpoint (fairseq-shard-verify --newest SAVE_DIR names one)")
-        if not reset_optimizer:
+        if not skip_optimizer:
             _refuse_another_optimizer(filename, state, trainer.cfg.optimizer)
             _take_the_same_loss(filename, state, type(trainer.get_criterion()).__name__)
         if getattr(trainer, "is_data_parallel_master", False):  # (None: state checks only)
-            _say_what_the_resume_keeps(trainer, reset_optimizer, filename, state)
+            _say_what_the_resume_keeps(trainer, skip_optimizer, filename, state)
         read = checkpoint_read()  # hook 6 noted the list before reading a stored path
         problem = language_order_problem(
             read.languages if read is not None and read.path == str(filename)
@@ -184,17 +197,17 @@ def trainer_state_loader(
         if is_fairscale_state(state) and isinstance(state.get("extra_state"), dict):
             record_saved_ranks(state["extra_state"], saved_world_size(filename, state))
         if is_rank_file_state(state):
-            state = _whole_fairscale_set(trainer, reset_optimizer, filename, state)
-        elif is_fairscale_state(state) and not reset_optimizer:  # full; its optimizer state
+            state = _whole_fairscale_set(trainer, skip_optimizer, filename, state)
+        elif is_fairscale_state(state) and not skip_optimizer:  # full; its optimizer state
             state = in_model_order(filename, state, _optimizer_param_names(trainer))  # by unit
         if is_sharded_index(state):
-            state = _load_shards(trainer, reset_optimizer, filename, state)
-        elif not reset_optimizer:
+            state = _load_shards(trainer, skip_optimizer, filename, state)
+        elif not skip_optimizer:
             optimizer = trainer.optimizer
             inner = getattr(optimizer, "fp32_optimizer", optimizer)
             adopt_stock_optimizer_state(filename, state, type(optimizer).__name__,
                                         type(inner).__name__, [p.shape for p in optimizer.params])
-        if not reset_optimizer and trainer.settings.engine == "fsdp2":
+        if not skip_optimizer and trainer.settings.engine == "fsdp2":
             # every optimizer it takes keeps per-element state of its parameter's full
             # shape (the fairscale engine's flat parameters are laid out differently)
             _refuse_misfit_optimizer_state(filename, state, trainer.optimizer.params,
@@ -215,6 +228,19 @@ def trainer_state_loader(
             raise
 
     return load_naming_the_model_first
+
+
+def saved_without_optimizer_state(state: dict[str, Any]) -> bool:
+    """Whether ``state`` is a training checkpoint whose run chose not to save optimizer
+    state (its config has ``--no-save-optimizer-state``; it still records the update count
+    and the learning-rate scheduler's state), as opposed to an export of a run that did."""
+    if "last_optimizer_state" in state:
+        return False
+    history = state.get("optimizer_history")
+    chose = (config_entry(config_entry(state.get("cfg"), "checkpoint"), "no_save_optimizer_state")
+             or config_entry(state.get("args"), "no_save_optimizer_state"))
+    return bool(chose) and isinstance(history, list) and bool(history) and isinstance(
+        history[-1], dict) and "num_updates" in history[-1]
 
 
 def _optimizer_param_names(trainer: Any) -> list[str]:

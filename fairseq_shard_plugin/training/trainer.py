@@ -26,6 +26,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from fairseq_shard_plugin.checkpoint.errors import (
     CheckpointLoadError,
     describe_checkpoint_problem,
+    describe_schedule_problem,
     first_cause,
     in_save_dir,
     keeping_the_save_dir,
@@ -399,7 +400,7 @@ class ShardedTrainer(Trainer):
             logger.info(f"{filename} does not exist: continuing from {stock_shards}, written "
                         "by fairseq's own --ddp-backend fully_sharded")
             filename = stock_shards
-        index = None
+        index, fresh_optimizer = None, []
         try:
             index = read_sharded_index(filename)
             if index is None:
@@ -408,16 +409,25 @@ class ShardedTrainer(Trainer):
                 # its index lives where the cleanups do not look: they keep it for the run
                 self.loaded_shards = shard_directory(filename, index)
             with implicit_replication(), loading_full_tensors_into_shards(self._model), \
-                    loading_into_trainer(trainer_state_loader(self, reset_optimizer, record_ranks)):
+                    loading_into_trainer(trainer_state_loader(
+                        self, reset_optimizer, record_ranks, lambda: fresh_optimizer.append(1))):
                 extra_state = super().load_checkpoint(filename, *args, **kwargs)
+            if fresh_optimizer:  # what fairseq restores only along with optimizer state
+                self._continue_the_schedule(args[1] if len(args) > 1 else kwargs.get(
+                    "reset_lr_scheduler", False))
         except Exception as error:
+            scheduler = self.cfg.lr_scheduler._name
             if isinstance(error, ShardPluginError):  # the plugin's own one line
                 message = str(error)
+            elif (schedule := describe_schedule_problem(filename, error, scheduler)):
+                message = schedule
             elif index is not None:
                 message = f"{filename}: could not be loaded: {first_cause(error)}"
             else:
                 message = describe_checkpoint_problem(filename, state_dict_shapes(self._model),
                                                       error)
+            if message.startswith(f"{filename}: could not be loaded: "):  # nothing known:
+                logger.error(f"loading {filename} failed here:", exc_info=error)  # the trace
             advised = keeping_the_save_dir(message, filename, self.cfg.checkpoint.save_dir)
             if advised is message and isinstance(error, CheckpointLoadError):
                 raise
@@ -437,6 +447,15 @@ class ShardedTrainer(Trainer):
             # exception") when train_step raised this under --num-workers 0
             refuse_a_step_past_the_end(self.cfg, self.get_num_updates())
         return extra_state
+
+    def _continue_the_schedule(self, reset_lr_scheduler: bool) -> None:
+        """After loading a checkpoint saved without optimizer state by its run's choice: its
+        update count and (unless reset) learning-rate schedule, as fairseq restores them
+        with optimizer state; the optimizer itself starts afresh."""
+        last = self._optim_history[-1]
+        if not reset_lr_scheduler:
+            self.lr_scheduler.load_state_dict(last["lr_scheduler_state"])
+        self.set_num_updates(last["num_updates"])
 
     def valid_step(self, sample: Any, raise_oom: bool = False) -> Any:
         """fairseq's validation step, measured like a training step (the validation log
