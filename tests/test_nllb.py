@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -118,6 +119,28 @@ def test_nllb_sweep_trains_with_only_user_dir_and_task_changed(
     assert run.output.count("predicted host peak: ") == 1
     assert "16-bit parameters, fp16 (scaled) moments" in run.output
 
+
+
+def test_a_resume_in_a_later_virtual_epoch_of_a_round_says_it_is_not_exact(
+    multilingual: Path, tmp_path: Path
+) -> None:
+    """fairseq draws a round of virtual epochs' sentence order in its first epoch; a process
+    resumed at the end of virtual epoch 1 drew it again for epoch 2 and trained other
+    sentences, silently, where the docs advised exactly that save (T3 #1)."""
+    args = nllb_sweep_flags(multilingual, tmp_path)
+    args.remove("--no-save")
+    args[args.index("translation_multi_simple_epoch")] = "sharded_translation_multi_simple_epoch"
+    args[args.index("--max-update") + 1] = "0"
+    args += ["--virtual-epoch-size", "300", "--max-epoch", "1", "--no-epoch-checkpoints"]
+    first = run_training(args, nproc=1, plugin=True)
+    assert "resumed in epoch" not in first.output
+    args[args.index("--max-epoch") + 1] = "2"
+    resumed = run_training(args, nproc=1, plugin=True)
+    warned = [line for line in resumed.output.splitlines() if "resumed in epoch 2" in line]
+    assert len(warned) == 1, resumed.output[-3000:]
+    assert re.search(r"resumed in epoch 2, virtual epoch 2 of a round of \d+ "
+                     r"\(--virtual-epoch-size\): fairseq draws", warned[0])
+    assert resumed.logs["train"][-1]["epoch"] == 2
 
 # options that exercise every kind of conversion the task's parser does: comma lists, a
 # dictionary literal, a file-or-text option, choices, flags, numbers

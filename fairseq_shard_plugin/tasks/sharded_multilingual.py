@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from fairseq.file_io import PathManager
 from fairseq.tasks import register_task
 from fairseq.tasks.translation_multi_simple_epoch import TranslationMultiSimpleEpochTask
@@ -156,7 +157,7 @@ class ShardedTranslationMultiSimpleEpochTask(MatchingTheCheckpoint,
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False,
                      **kwargs: Any) -> Any:
         try:
-            return super().load_dataset(split, epoch, combine, **kwargs)
+            loaded = super().load_dataset(split, epoch, combine, **kwargs)
         except KeyError as error:  # fairseq's data manager, on a direction without files
             key = error.args[0] if error.args else None
             if not (isinstance(key, str) and ":" in key):
@@ -173,6 +174,25 @@ class ShardedTranslationMultiSimpleEpochTask(MatchingTheCheckpoint,
                 f"no {split} data for {direction} in {self.args.data} (its {split}.{direction}"
                 ".* files, or the reverse direction's): remove it from --lang-pairs, or "
                 "binarise it") from None
+        if split == self.args.train_subset and not getattr(self, "_train_loaded", False):
+            self._train_loaded = True  # this process's first epoch: a resume if epoch > 1
+            self._warn_of_a_redrawn_round(epoch)
+        return loaded
+
+    def _warn_of_a_redrawn_round(self, epoch: int) -> None:
+        """fairseq draws the sentence order of a round of virtual epochs once, in its first
+        epoch, seeded by that epoch; a process resumed in a later epoch of the round draws
+        it anew, seeded by its own epoch, so it trains other sentences (T3 #1: not exact at
+        a virtual epoch's end either)."""
+        rounds = getattr(self.datasets.get(self.args.train_subset), "num_virtual_epochs", 1)
+        if rounds > 1 and (epoch - 1) % rounds and (
+                not dist.is_initialized() or dist.get_rank() == 0):
+            logger.warning(
+                f"resumed in epoch {epoch}, virtual epoch {(epoch - 1) % rounds + 1} of a round "
+                f"of {rounds} (--virtual-epoch-size): fairseq draws a round's sentence order "
+                "in the round's first epoch, and a resumed process draws it again from this "
+                "epoch, so the rest of the round trains other sentences than an uninterrupted "
+                "run would (in stock fairseq too); resumes in a round's first epoch are exact")
 
     def _has_data(self, split: str, direction: str) -> bool:
         """Whether a data directory holds ``split`` files of ``direction`` or its reverse."""
