@@ -142,6 +142,40 @@ def test_a_resume_in_a_later_virtual_epoch_of_a_round_says_it_is_not_exact(
                      r"\(--virtual-epoch-size\): fairseq draws", warned[0])
     assert resumed.logs["train"][-1]["epoch"] == 2
 
+
+def test_a_resume_under_other_language_token_flags_is_refused_and_a_fine_tune_told(
+    multilingual: Path, tmp_path: Path
+) -> None:
+    """Resumed without --decoder-langtok, a run trained on other input sentences (loss 10.2
+    where the uninterrupted run had 7.8), without a word, while generation refused the same
+    mismatch (T3 #2)."""
+    pretrain = tmp_path / "pretrain"
+    args = nllb_sweep_flags(multilingual, pretrain)
+    args.remove("--no-save")
+    args[args.index("translation_multi_simple_epoch")] = "sharded_translation_multi_simple_epoch"
+    args[args.index("--max-update") + 1] = "3"
+    run_training(args, nproc=1, plugin=True)
+    last = pretrain / "checkpoint_last.pt"
+    before = last.read_bytes()
+    without = list(args)
+    without.remove("--decoder-langtok")
+    without[without.index("--max-update") + 1] = "6"
+    refused = run_training(without, nproc=1, plugin=True, check=False)
+    assert refused.returncode == 1
+    assert refused.output.strip().splitlines()[-1] == (
+        f"fairseq-shard-plugin: error: {last} was trained with --encoder-langtok src, "
+        "--decoder-langtok given; this run has --encoder-langtok src, --decoder-langtok not "
+        "given: give the training's language-token flags (task.encoder_langtok, "
+        "task.decoder_langtok)")
+    assert last.read_bytes() == before
+    tuned = list(without)
+    tuned[tuned.index("--save-dir") + 1] = str(tmp_path / "tuned")
+    tuned += ["--finetune-from-model", str(last)]
+    told = run_training(tuned, nproc=1, plugin=True)
+    assert (f"{last} was trained with --encoder-langtok src, --decoder-langtok given; this run "
+            "has --encoder-langtok src, --decoder-langtok not given: the fine-tune learns the "
+            "new ones from the checkpoint's weights") in told.output
+
 # options that exercise every kind of conversion the task's parser does: comma lists, a
 # dictionary literal, a file-or-text option, choices, flags, numbers
 CONVERTED_OPTIONS = ["--langtoks-specs", "main,dae", "--extra-data", "{'mined': '/data/mined'}",

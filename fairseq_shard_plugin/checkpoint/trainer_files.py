@@ -32,6 +32,7 @@ from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damage
 from fairseq_shard_plugin.checkpoint.portable import (
     config_entry,
     languages_numbering_the_tokens,
+    stored_language_tokens,
 )
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.resume_notices import changed_batching, ignored_hyperparameters
@@ -54,7 +55,10 @@ from fairseq_shard_plugin.checkpoint.stock_optimizer_state import (
 )
 from fairseq_shard_plugin.sharding.full_state import share_tied_tensors, tied_parameter_names
 from fairseq_shard_plugin.sharding.options import checkpoint_format
-from fairseq_shard_plugin.tasks.multilingual_checks import language_order_problem
+from fairseq_shard_plugin.tasks.multilingual_checks import (
+    language_order_problem,
+    language_tokens_problem,
+)
 from fairseq_shard_plugin.training.hydra_keys import in_hydra_keys, running_under_hydra
 from fairseq_shard_plugin.training.run_hooks import checkpoint_read
 
@@ -194,6 +198,7 @@ def trainer_state_loader(
             getattr(getattr(trainer, "task", None), "langs", None))
         if problem:  # a multilingual checkpoint resumed or fine-tuned with other languages
             raise CheckpointLoadError(f"{filename}: {problem}")
+        _same_language_tokens(trainer, filename, state, reset_optimizer)
         if is_fairscale_state(state) and isinstance(state.get("extra_state"), dict):
             record_saved_ranks(state["extra_state"], saved_world_size(filename, state))
         if is_rank_file_state(state):
@@ -228,6 +233,23 @@ def trainer_state_loader(
             raise
 
     return load_naming_the_model_first
+
+
+def _same_language_tokens(trainer: Any, filename: str, state: dict[str, Any],
+                          reset_optimizer: bool) -> None:
+    """A multilingual run resumed under other language-token flags trains on other input
+    sentences and damages the model, silently (T3 #2): refused; a fine-tune (a reset
+    optimizer) may mean it, so it is told once."""
+    task = getattr(trainer, "task", None)
+    if not getattr(task, "langs", None):  # not the multilingual task
+        return
+    problem = language_tokens_problem(stored_language_tokens(state), task.args)
+    fine_tune = reset_optimizer or filename == trainer.cfg.checkpoint.finetune_from_model
+    if problem and not fine_tune:
+        raise CheckpointLoadError(f"{filename} {problem}")
+    if problem and trainer.is_data_parallel_master:
+        logger.warning(f"{filename} {problem.split(': give ')[0]}: the fine-tune learns "
+                       "the new ones from the checkpoint's weights")
 
 
 def saved_without_optimizer_state(state: dict[str, Any]) -> bool:

@@ -90,6 +90,23 @@ def language_order_problem(stored: Any, current: Sequence[str] | None) -> str | 
             "langs file or list; without --langs fairseq sorts the languages it finds)")
 
 
+def language_tokens_problem(trained: tuple[Any, bool] | None, args: Any) -> str | None:
+    """A model trained with language tokens reads other sentences without them (or with
+    the target's in place of the source's): it translates, differently, without a word.
+    ``trained`` is the checkpoint's (``--encoder-langtok``, ``--decoder-langtok``), None
+    where it does not say; ``args`` holds this run's."""
+    now = (getattr(args, "encoder_langtok", None), bool(getattr(args, "decoder_langtok", False)))
+    if trained is None or trained == now:
+        return None
+
+    def flags(tokens: tuple[Any, bool]) -> str:
+        return (f"--encoder-langtok {tokens[0] or 'not given'}, --decoder-langtok "
+                f"{'given' if tokens[1] else 'not given'}")
+
+    return (f"was trained with {flags(trained)}; this run has {flags(now)}: give the "
+            "training's language-token flags (task.encoder_langtok, task.decoder_langtok)")
+
+
 def dictionary_mismatch(data: str, lang_pairs: Any) -> str:
     """The dictionaries of the languages of ``lang_pairs`` in DATA's first directory, by
     size, for fairseq's assertion that source languages have different dictionaries."""

@@ -27,6 +27,7 @@ from fairseq_shard_plugin.tasks.multilingual_checks import (
     check_sampling_temperature,
     dictionary_mismatch,
     language_order_problem,
+    language_tokens_problem,
 )
 from fairseq_shard_plugin.tasks.multilingual_config import (
     DATA_SOURCE_PREFIX_TAGS,
@@ -81,22 +82,6 @@ def add_prefix_tags(dicts: Any) -> None:
             dictionary.add_symbol(tag)
 
 
-def _check_language_tokens(path: str, trained: tuple[Any, bool] | None, args: Any) -> None:
-    """A model trained with language tokens reads other sentences without them (or with
-    the target's in place of the source's): it translates, differently, without a word."""
-    now = (getattr(args, "encoder_langtok", None), bool(getattr(args, "decoder_langtok", False)))
-    if trained is None or trained == now:
-        return
-
-    def flags(tokens: tuple[Any, bool]) -> str:
-        return (f"--encoder-langtok {tokens[0] or 'not given'}, --decoder-langtok "
-                f"{'given' if tokens[1] else 'not given'}")
-
-    raise MultilingualOptionError(
-        f"{path} was trained with {flags(trained)}; this run has {flags(now)}: give the "
-        "training's language-token flags (task.encoder_langtok, task.decoder_langtok)")
-
-
 def check_the_checkpoints_languages(task: TranslationMultiSimpleEpochTask, cfg: Any) -> None:
     """A model built from a checkpoint (generation) must have been trained with ``task``'s
     language order and language-token flags, where the checkpoint says which
@@ -111,7 +96,9 @@ def check_the_checkpoints_languages(task: TranslationMultiSimpleEpochTask, cfg: 
     problem = language_order_problem(read.languages, task.langs)
     if problem:
         raise MultilingualOptionError(f"{read.path}: {problem}")
-    _check_language_tokens(read.path, read.language_tokens, task.args)
+    tokens = language_tokens_problem(read.language_tokens, task.args)
+    if tokens:
+        raise MultilingualOptionError(f"{read.path} {tokens}")
 
 
 @register_task(TASK_NAME, dataclass=ShardedMultilingualConfig)
