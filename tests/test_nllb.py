@@ -143,7 +143,7 @@ def test_a_resume_in_a_later_virtual_epoch_of_a_round_says_it_is_not_exact(
     assert resumed.logs["train"][-1]["epoch"] == 2
 
 
-def test_a_resume_under_other_language_token_flags_is_refused_and_a_fine_tune_told(
+def test_a_resume_under_other_language_flags_is_refused_and_a_fine_tune_told(
     multilingual: Path, tmp_path: Path
 ) -> None:
     """Resumed without --decoder-langtok, a run trained on other input sentences (loss 10.2
@@ -175,6 +175,17 @@ def test_a_resume_under_other_language_token_flags_is_refused_and_a_fine_tune_to
     assert (f"{last} was trained with --encoder-langtok src, --decoder-langtok given; this run "
             "has --encoder-langtok src, --decoder-langtok not given: the fine-tune learns the "
             "new ones from the checkpoint's weights") in told.output
+    # one more language: the vocabulary's shape differs too, and the list is why (a full
+    # checkpoint's refusal named only the embedding's shape, T3 #4)
+    extra = tmp_path / "langs_extra.txt"
+    extra.write_text((multilingual / "langs.txt").read_text() + "zul_Latn\n")
+    other = [*args, "--finetune-from-model", str(last)]
+    other[other.index("--lang-dict") + 1] = str(extra)
+    other[other.index("--save-dir") + 1] = str(tmp_path / "other")
+    refused = run_training(other, nproc=1, plugin=True, check=False)
+    assert refused.returncode == 1
+    assert "not in the checkpoint zul_Latn" in refused.output.strip().splitlines()[-1], \
+        refused.output[-2000:]
 
 # options that exercise every kind of conversion the task's parser does: comma lists, a
 # dictionary literal, a file-or-text option, choices, flags, numbers

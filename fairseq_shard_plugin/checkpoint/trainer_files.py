@@ -149,6 +149,11 @@ def verify_full_checkpoint(filename: str) -> None:
             raise CheckpointLoadError(corruption_message(filename, damaged))
 
 
+class _OtherLanguages(CheckpointLoadError):
+    """Another language list than the checkpoint's: it numbers the tokens, and an extra
+    language also changes the vocabulary's shape, which this names the cause of."""
+
+
 def trainer_state_loader(
     trainer: Any, reset_optimizer: bool,
     record_saved_ranks: Callable[[dict[str, Any], int], None],
@@ -197,7 +202,7 @@ def trainer_state_loader(
             else languages_numbering_the_tokens(state),
             getattr(getattr(trainer, "task", None), "langs", None))
         if problem:  # a multilingual checkpoint resumed or fine-tuned with other languages
-            raise CheckpointLoadError(f"{filename}: {problem}")
+            raise _OtherLanguages(f"{filename}: {problem}")
         _same_language_tokens(trainer, filename, state, reset_optimizer)
         if is_fairscale_state(state) and isinstance(state.get("extra_state"), dict):
             record_saved_ranks(state["extra_state"], saved_world_size(filename, state))
@@ -222,6 +227,8 @@ def trainer_state_loader(
     def load_naming_the_model_first(filename: str, state: dict[str, Any]) -> dict[str, Any]:
         try:
             return load(filename, state)
+        except _OtherLanguages:  # the cause of any shape difference of the vocabulary
+            raise
         except CheckpointLoadError:  # optimizer state of another model: the model is why
             saved, model = state.get("model"), getattr(trainer, "_model", None)
             if isinstance(saved, dict) and model is not None and not (
