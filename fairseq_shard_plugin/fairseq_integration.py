@@ -254,6 +254,7 @@ from fairseq_shard_plugin.training.validation import (
     check_any_backend,
     check_batch_size,
     check_sharded_config,
+    finetune_not_loaded,
     is_sharded_run,
     reset_flags_given,
 )
@@ -419,6 +420,9 @@ def _checked_configuration(cfg: Any) -> bool:
                     "(each rank writes its shards; checkpoint_last.pt indexes them)")
     check_sharded_config(cfg)
     check_batch_size(cfg)
+    not_loaded = finetune_not_loaded(cfg.checkpoint)
+    if not_loaded and distributed_utils.is_master(cfg.distributed_training):
+        logger.warning(not_loaded)
     return True
 
 

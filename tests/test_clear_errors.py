@@ -79,7 +79,8 @@ CHECKED = {
     "checkpoints to start from: keep one": [
         "--finetune-from-model", str(Path(__file__)), "--restore-file", str(Path(__file__))],
     "--finetune-from-model resets the optimizer, learning rate schedule, meters and data "
-    "position itself: remove --reset-optimizer, --reset-meters (checkpoint.reset_*)": [
+    "position itself when it starts: remove --reset-optimizer, --reset-meters "
+    "(checkpoint.reset_*)": [
         "--finetune-from-model", str(Path(__file__)), "--reset-optimizer", "--reset-meters"],
     "--memory-efficient-bf16 keeps the shards in 16 bits, which only --optimizer adam": [
         "--memory-efficient-bf16", "--optimizer", "sgd"],

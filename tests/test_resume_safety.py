@@ -328,3 +328,30 @@ def test_a_resume_under_another_lr_scheduler_names_the_flag(
                        env=rank_environment(), timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert parse_logs(done.stdout + done.stderr)["train"][-1]["epoch"] == 3
+
+
+def test_a_fine_tune_into_a_save_dir_of_another_run_says_it_resumes_that_run(
+    runs: dict, tmp_path: Path, corpus: Path
+) -> None:
+    """fairseq loads --finetune-from-model only into a save dir without checkpoint_last.pt;
+    given another run's, it resumed that run's Adam state and schedule under the new
+    settings without a word (T3 #3). A fine-tune's own checkpoint resumes silently."""
+    pretrained = runs["work"] / "fully_sharded" / "full" / "checkpoint_last.pt"
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copyfile(runs["work"] / "fully_sharded" / "full" / "checkpoint1.pt",
+                    other / "checkpoint_last.pt")
+    args = [*_args(corpus, other, "fully_sharded"), "--finetune-from-model", str(pretrained)]
+    done = run_command([tool("fairseq-train"), *args], env=rank_environment(), timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert (f"--finetune-from-model {pretrained} is not loaded: {other / 'checkpoint_last.pt'} "
+            "exists and fairseq resumes it instead") in done.stdout + done.stderr
+    own = tmp_path / "own"
+    args = [*_args(corpus, own, "fully_sharded"), "--finetune-from-model", str(pretrained)]
+    args[args.index("--max-epoch") + 1] = "1"
+    done = run_command([tool("fairseq-train"), *args], env=rank_environment(), timeout=300)
+    assert done.returncode == 0 and "loading pretrained model from" in done.stdout + done.stderr
+    args[args.index("--max-epoch") + 1] = "2"
+    done = run_command([tool("fairseq-train"), *args], env=rank_environment(), timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "is not loaded" not in done.stdout + done.stderr

@@ -9,6 +9,8 @@ from typing import Any
 from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_WRAP
 
 from fairseq_shard_plugin.checkpoint.consolidate import export_target_problem
+from fairseq_shard_plugin.checkpoint.portable import config_entry
+from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.sharded import SHARDS_DIR
 from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
@@ -209,16 +211,19 @@ def _check_restore_file(checkpoint_cfg: Any) -> None:
         _check_checkpoint_file("--restore-file", named, advice)
     finetune = getattr(checkpoint_cfg, "finetune_from_model", None)
     resets = reset_flags_given(checkpoint_cfg)
+    last = os.path.join(checkpoint_cfg.save_dir, f"checkpoint_last{suffix}.pt")
     if finetune and resets:  # fairseq's ValueError, in a traceback once the model is built
         raise ShardingConfigError(
             f"--finetune-from-model resets the optimizer, learning rate schedule, meters and "
-            f"data position itself: remove {', '.join(resets)} (checkpoint.reset_*)")
+            f"data position itself when it starts: remove {', '.join(resets)} "
+            "(checkpoint.reset_*)" + (f"; {last} exists, so fairseq resumes it instead of "
+                                      "loading --finetune-from-model: give a new --save-dir "
+                                      "to fine-tune" if os.path.isfile(last) else ""))
     if finetune and restore != "checkpoint_last.pt":  # the same ValueError
         raise ShardingConfigError(
             f"--finetune-from-model {finetune} and --restore-file {restore} name two "
             "checkpoints to start from: keep one (--finetune-from-model loads its file only "
             "while the save dir has no checkpoint_last.pt)")
-    last = os.path.join(checkpoint_cfg.save_dir, f"checkpoint_last{suffix}.pt")
     if finetune and "://" not in finetune and not os.path.exists(last):  # fairseq reads it
         _check_checkpoint_file("--finetune-from-model", finetune,
                                "the path of an existing checkpoint file")
@@ -366,3 +371,27 @@ def check_fairscale_engine(cfg: Any) -> None:
             f"--shard-engine fairscale needs CUDA (fairscale FSDP runs on CUDA streams) and "
             f"{reason}: use --shard-engine fsdp2"
         )
+
+
+def finetune_not_loaded(checkpoint_cfg: Any) -> str | None:
+    """A warning when ``--finetune-from-model`` will not be loaded: fairseq loads it only
+    into a save dir without ``checkpoint_last.pt`` (so that a preempted fine-tune resumes)
+    and otherwise resumes that file, whoever wrote it (another run's: its Adam state and
+    schedule went on under the new settings, without a word, T3 #3). Nothing is said where
+    the save dir's last checkpoint is this fine-tune's own."""
+    finetune = getattr(checkpoint_cfg, "finetune_from_model", None)
+    suffix = checkpoint_cfg.checkpoint_suffix or ""
+    last = Path(checkpoint_cfg.save_dir) / f"checkpoint_last{suffix}.pt"
+    if not finetune or not last.is_file():
+        return None
+    try:
+        cfg = read_checkpoint(last, "meta").get("cfg")
+    except Exception:  # the resume itself reports a file it cannot read
+        return None
+    started_from = config_entry(config_entry(cfg, "checkpoint"), "finetune_from_model")
+    if started_from and os.path.realpath(str(started_from)) == os.path.realpath(finetune):
+        return None  # this fine-tune's own checkpoint: a resume, as fairseq means it
+    return (f"--finetune-from-model {finetune} is not loaded: {last} exists and fairseq "
+            f"resumes it instead (its optimizer state, schedule and data position), as it "
+            f"does for a preempted fine-tune; it was not written by a fine-tune from that "
+            f"file, so give a new --save-dir to start the fine-tune")
