@@ -306,6 +306,20 @@ def test_nllb_multilingual_export_translates(multilingual: Path, multilingual_ru
     translated = re.search(r"Translated (\d+) sentences", generated.stdout + generated.stderr)
     hypotheses = sum(line.startswith("H-") for line in generated.stdout.splitlines())
     assert translated and hypotheses == int(translated.group(1)) > 40  # of 50
+    # the export's note gives stock fairseq-generate the settings (T3 #6: without them it
+    # wrote German for eng-fra, silently); a process that never imports the plugin
+    note = re.search(r"translates this multilingual model as trained only with its language "
+                     r"settings, (.+?) \(and --lang-pairs", multilingual_run["output"])
+    assert note, multilingual_run["output"][-3000:]
+    stock = run_command(
+        [tool("fairseq-generate"), str(multilingual), "--path", str(export), "--cpu",
+         *note.group(1).split(), "--lang-pairs", "eng_Latn-fra_Latn", "--source-lang",
+         "eng_Latn", "--target-lang", "fra_Latn", "--gen-subset", "valid", "--beam", "2",
+         "--max-tokens", "1000"])
+    assert stock.returncode == 0, stock.stderr[-3000:]
+    assert "fairseq_shard_plugin" not in stock.stdout + stock.stderr
+    assert sorted(line for line in stock.stdout.splitlines() if line.startswith("H-")) == sorted(
+        line for line in generated.stdout.splitlines() if line.startswith("H-"))
 
 
 def test_export_without_the_plugins_hydra_callback_is_refused_before_training(

@@ -48,7 +48,11 @@ from fairseq_shard_plugin.checkpoint.integrity import (
     corruption_message,
     damaged_zip_entries,
 )
-from fairseq_shard_plugin.checkpoint.portable import portable_state
+from fairseq_shard_plugin.checkpoint.portable import (
+    languages_numbering_the_tokens,
+    portable_state,
+    stored_language_tokens,
+)
 from fairseq_shard_plugin.checkpoint.reading import (
     NotACheckpointError,
     checkpoint_format,
@@ -246,7 +250,18 @@ def stock_fairseq_notes(exported: dict[str, Any]) -> list[str]:
                 "has 3 more rows than stock fairseq 0.12 builds, so generate with the plugin "
                 "(--user-dir fairseq_shard_plugin --task sharded_translation_multi_simple_"
                 "epoch --add-data-source-prefix-tags) or with fairseq's nllb branch"]
-    return []
+    languages = languages_numbering_the_tokens(exported)
+    if not languages:
+        return []
+    flags = ["--task translation_multi_simple_epoch", f"--langs {','.join(languages)}"]
+    encoder, decoder = stored_language_tokens(exported) or (None, False)
+    flags += [f"--encoder-langtok {encoder}"] * bool(encoder) + ["--decoder-langtok"] * decoder
+    if isinstance(task, dict) and task.get("lang_tok_replacing_bos_eos"):
+        flags.append("--lang-tok-replacing-bos-eos")
+    return [f"stock fairseq-generate translates this multilingual model as trained only with "
+            f"its language settings, {' '.join(flags)} (and --lang-pairs SRC-TGT --source-lang "
+            "SRC --target-lang TGT): without them it numbers the languages otherwise and "
+            "writes other languages, silently"]
 
 
 def holds_training_state(path: Path) -> bool:
