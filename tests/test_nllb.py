@@ -306,7 +306,9 @@ def test_sampling_weights_without_a_direction_are_named_not_the_data(
     with pytest.raises(MultilingualOptionError) as raised:
         task.load_dataset("train")
     assert str(raised.value).startswith(
-        "--sampling-weights (task.sampling_weights) gives no weight for 'main:")
+        f"--sampling-weights gives no weight for 'main:{pairs[0]}' (it holds {weights!r}): ")
+    assert str(raised.value).endswith(
+        f"quote the whole dictionary, task.sampling_weights=\"{{'main:{pairs[0]}': 1.0}}\")")
     assert "binarise" not in str(raised.value)
 
 

@@ -154,9 +154,11 @@ class ShardedTranslationMultiSimpleEpochTask(MatchingTheCheckpoint,
                 if not getattr(self.args, "sampling_weights", None):
                     raise
                 raise MultilingualOptionError(
-                    f"--sampling-weights (task.sampling_weights) gives no weight for "
-                    f"{key!r}: name every direction trained as DATA_SOURCE:SRC-TGT, as "
-                    f"{key!r}") from None
+                    f"--sampling-weights gives no weight for {key!r} (it holds "
+                    f"{self.args.sampling_weights!r}): name every direction trained as "
+                    f"DATA_SOURCE:SRC-TGT, as {key!r} (a key with ':' in a Hydra override: "
+                    f"quote the whole dictionary, task.sampling_weights=\"{{'{key}': 1.0}}\")"
+                ) from None
             raise MultilingualOptionError(
                 f"no {split} data for {direction} in {self.args.data} (its {split}.{direction}"
                 ".* files, or the reverse direction's): remove it from --lang-pairs, or "
