@@ -764,11 +764,22 @@ def _saving_on_signal(stock_validate_and_save: Callable[..., Any]) -> Callable[.
         stop = getattr(trainer, "signal_stop", None)  # only the plugin's trainer has one
         signum = stop.agreed(trainer.device) if stop is not None else None
         update = trainer.get_num_updates()
-        if signum is not None and update >= (cfg.optimization.max_update or float("inf")):
-            # the signal came during the last update: fairseq's own end follows (a final
-            # save, exit code 0); a resume would otherwise train one update past the end
+        last_epoch = end_of_epoch and epoch_itr.epoch >= (cfg.optimization.max_epoch
+                                                          or float("inf"))
+        if signum is not None and (
+                update >= (cfg.optimization.max_update or float("inf")) or last_epoch):
+            # the signal came during the last update: fairseq's own end follows (its
+            # validation, a final save, exit code 0); a resume would otherwise train one
+            # update past the end, or (--max-epoch) never validate the last epoch
             stop.stopped_by = None
             signum = None
+        if signum is not None and end_of_epoch:  # the epoch's validation (its best
+            # checkpoint) is due now and a resume starts the next epoch: validate, then stop
+            valid_losses, _ = stock_validate_and_save(
+                cfg, trainer, task, epoch_itr, valid_subsets, end_of_epoch, *args, **kwargs)
+            if trainer.saved_at_update != update or cfg.checkpoint.no_last_checkpoints:
+                _save_on_signal(cfg, trainer, epoch_itr, signum, update)
+            return valid_losses, True
         if signum is None:
             valid_losses, should_stop = stock_validate_and_save(
                 cfg, trainer, task, epoch_itr, valid_subsets, end_of_epoch, *args, **kwargs)
@@ -777,17 +788,22 @@ def _saving_on_signal(stock_validate_and_save: Callable[..., Any]) -> Callable[.
                             "--export-consolidated: fairseq's --save-interval skipped it")
                 checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, None)
             return valid_losses, should_stop
-        name = signal.Signals(signum).name
-        if cfg.checkpoint.no_save:
-            logger.warning(f"{name}: stopping after update {update}, not saving (--no-save)")
-        else:
-            logger.info(f"{name}: saving a checkpoint after update {update}, then stopping "
-                        f"(exit code {128 + signum}); {_how_to_resume(cfg.checkpoint)}")
-            checkpoint_utils.save_checkpoint(config_for_a_signal_save(cfg.checkpoint),
-                                             trainer, epoch_itr, None)
+        _save_on_signal(cfg, trainer, epoch_itr, signum, update)
         return [None], True
 
     return _marked(validate_and_save, stock_validate_and_save)
+
+
+def _save_on_signal(cfg: Any, trainer: Any, epoch_itr: Any, signum: int, update: int) -> None:
+    """The save a stop on ``signum`` makes (checkpoint_last.pt; none under --no-save)."""
+    name = signal.Signals(signum).name
+    if cfg.checkpoint.no_save:
+        logger.warning(f"{name}: stopping after update {update}, not saving (--no-save)")
+        return
+    logger.info(f"{name}: saving a checkpoint after update {update}, then stopping "
+                f"(exit code {128 + signum}); {_how_to_resume(cfg.checkpoint)}")
+    checkpoint_utils.save_checkpoint(config_for_a_signal_save(cfg.checkpoint),
+                                     trainer, epoch_itr, None)
 
 
 def _how_to_resume(checkpoint_cfg: Any) -> str:

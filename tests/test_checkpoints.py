@@ -239,6 +239,39 @@ def test_a_signal_to_one_rank_stops_all_and_the_resume_in_epoch_2_continues_exac
     assert losses == reference.series("train_inner", "loss")
 
 
+
+SIGNAL_HELPER = REPO / "tests" / "helpers" / "signal_during_update.py"
+
+
+@pytest.mark.parametrize("last_epoch", [False, True], ids=["epoch-1-of-2", "last-epoch"])
+def test_a_signal_during_an_epochs_last_update_validates_the_epoch_first(
+    corpus: Path, tmp_path: Path, sixteen_updates: RunResult, last_epoch: bool
+) -> None:
+    """SIGUSR1 during the update that ends an epoch: the signal's save stopped the run before
+    the epoch's validation, which the resumed run (next epoch) never made, so
+    checkpoint_best.pt stayed on an older update (T2 #2). The epoch is validated first; at
+    the end of the last epoch (--max-epoch) the run ends as usual, exit code 0."""
+    epoch_end = int(sixteen_updates.logs["train"][0]["train_num_updates"])
+    args = [*training_args(corpus, tmp_path, 16, max_tokens=1024), *TINY,
+            "--task", "sharded_translation", "--no-epoch-checkpoints",
+            "--max-epoch", "1" if last_epoch else "3",
+            "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded"]
+    env = dict(os.environ, SIGNAL_UPDATE=str(epoch_end), OMP_NUM_THREADS="1")
+    returncode, output = start_ranks([sys.executable, str(SIGNAL_HELPER), *args], 2, env,
+                                     timeout=300)
+    assert returncode == (0 if last_epoch else 128 + signal.SIGUSR1), output[-3000:]
+    valid = parse_logs(output)["valid"]
+    assert [int(entry["valid_num_updates"]) for entry in valid] == [epoch_end], output[-3000:]
+    assert valid[0]["valid_loss"] == sixteen_updates.logs["valid"][0]["valid_loss"]
+    best = torch.load(tmp_path / "checkpoint_best.pt", map_location="cpu", weights_only=True)
+    assert best["optimizer_history"][-1]["num_updates"] == epoch_end
+    if not last_epoch:  # the resume goes on in epoch 2 exactly
+        resumed = run_training(args[:-4], nproc=2, plugin=True)
+        assert resumed.series("train_inner", "num_updates")[0] == epoch_end + 1
+        losses = parse_logs(output)["train_inner"] + resumed.logs["train_inner"]
+        assert [float(entry["loss"]) for entry in losses] == sixteen_updates.series(
+            "train_inner", "loss")
+
 def test_an_interrupted_write_leaves_the_old_file_and_is_cleaned_up(tmp_path: Path) -> None:
     target = tmp_path / "checkpoint_last.pt"
     target.write_bytes(b"complete old checkpoint")
