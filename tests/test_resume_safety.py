@@ -355,3 +355,28 @@ def test_a_fine_tune_into_a_save_dir_of_another_run_says_it_resumes_that_run(
     done = run_command([tool("fairseq-train"), *args], env=rank_environment(), timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "is not loaded" not in done.stdout + done.stderr
+
+
+def test_a_save_dir_that_lost_its_last_checkpoint_is_not_trained_over(
+    runs: dict, tmp_path: Path, corpus: Path
+) -> None:
+    """checkpoint_last.pt deleted (or never written: a first save that failed) beside a
+    run's other checkpoints: fairseq started from scratch and saved over all of them,
+    without a word (T2 #1). Refused before training, naming the newest."""
+    full = runs["work"] / "fully_sharded" / "full"
+    for name in ("checkpoint1.pt", "checkpoint2.pt"):
+        shutil.copyfile(full / name, tmp_path / name)
+    (tmp_path / "checkpoint_notes.pt").write_text("not a checkpoint")  # not counted
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    done = run_command([tool("fairseq-train"), *_args(corpus, tmp_path, "fully_sharded")],
+                       env=rank_environment(), timeout=300)
+    assert done.returncode == 1
+    updates = torch.load(full / "checkpoint2.pt", weights_only=True)["optimizer_history"][
+        -1]["num_updates"]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"fairseq-shard-plugin: error: {tmp_path} holds 2 training checkpoint(s) but no "
+        "checkpoint_last.pt, so fairseq would train from scratch and save over them: to "
+        f"resume, give --restore-file {tmp_path / 'checkpoint2.pt'} (the newest, update "
+        f"{updates}; fairseq-shard-verify {tmp_path} checks them); to start anew, give "
+        "another --save-dir")
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before

@@ -239,7 +239,8 @@ def _check_save_dir_entries(cfg: Any) -> None:
     last = save_dir / f"checkpoint_last{checkpoint_cfg.checkpoint_suffix or ''}.pt"
     for name in (last, last.with_name(last.stem + "-shard0.pt")):
         if os.path.lexists(name) and not name.is_file():
-            what = "a directory" if name.is_dir() else "a link to nothing"
+            what = ("a directory" if name.is_dir() else "a link to nothing"
+                    if name.is_symlink() else "a FIFO, socket or device")
             raise ShardingConfigError(
                 f"{name} is {what}, not a checkpoint: fairseq would train from scratch and "
                 f"then save over {save_dir}'s checkpoints; move it out of the save dir")
@@ -395,3 +396,36 @@ def finetune_not_loaded(checkpoint_cfg: Any) -> str | None:
             f"resumes it instead (its optimizer state, schedule and data position), as it "
             f"does for a preempted fine-tune; it was not written by a fine-tune from that "
             f"file, so give a new --save-dir to start the fine-tune")
+
+
+def check_a_lost_last_checkpoint(checkpoint_cfg: Any) -> None:
+    """A save dir that holds a run's checkpoints but no ``checkpoint_last.pt`` (deleted, or
+    a first save that failed): fairseq starts from scratch without a word and saves over
+    every one of them (T2 #1). Refused, naming the newest; a run that names what to start
+    from (``--restore-file``, ``--finetune-from-model``) or saves nothing goes on."""
+    if (checkpoint_cfg.no_save or checkpoint_cfg.restore_file != "checkpoint_last.pt"
+            or getattr(checkpoint_cfg, "finetune_from_model", None)
+            or "://" in str(checkpoint_cfg.save_dir)):
+        return
+    suffix = checkpoint_cfg.checkpoint_suffix or ""
+    save_dir = Path(checkpoint_cfg.save_dir)
+    last = save_dir / f"checkpoint_last{suffix}.pt"
+    if not save_dir.is_dir() or os.path.lexists(last) or os.path.lexists(
+            last.with_name(last.stem + "-shard0.pt")):
+        return
+    updates = {}
+    for path in save_dir.glob(f"checkpoint*{suffix}.pt"):
+        try:
+            history = read_checkpoint(path, "meta").get("optimizer_history")
+            updates[path] = int(history[-1]["num_updates"])
+        except Exception:  # not a readable training checkpoint: not one a restart loses
+            continue
+    if not updates:
+        return
+    newest = max(updates, key=lambda path: (updates[path], path.name))
+    raise ShardingConfigError(
+        f"{save_dir} holds {len(updates)} training checkpoint(s) but no {last.name}, so "
+        f"fairseq would train from scratch and save over them: to resume, give "
+        f"--restore-file {newest} (the newest, update {updates[newest]}; "
+        f"fairseq-shard-verify {save_dir} checks them); to start anew, give another "
+        "--save-dir")
