@@ -254,6 +254,7 @@ from fairseq_shard_plugin.training.validation import (
     check_a_lost_last_checkpoint,
     check_any_backend,
     check_batch_size,
+    check_chunked_validation,
     check_sharded_config,
     finetune_not_loaded,
     is_sharded_run,
@@ -421,6 +422,7 @@ def _checked_configuration(cfg: Any) -> bool:
                     "(each rank writes its shards; checkpoint_last.pt indexes them)")
     check_sharded_config(cfg)
     check_batch_size(cfg)
+    check_chunked_validation(cfg)
     check_a_lost_last_checkpoint(cfg.checkpoint)
     not_loaded = finetune_not_loaded(cfg.checkpoint)
     if not_loaded and distributed_utils.is_master(cfg.distributed_training):

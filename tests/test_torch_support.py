@@ -5,6 +5,7 @@ with "'Stream' object has no attribute 'record_event'")."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,29 @@ def test_the_package_stops_in_one_line_on_an_older_torch(tmp_path: Path) -> None
         "plugin runs on (its FSDP2 and checkpoint writer need it): upgrade torch to >= 2.11 "
         "(with its matching CUDA build), or use a stock --ddp-backend without the plugin"]
     assert "torch 2.6.0 is older than 2.11" in error_file.read_text()  # torchrun's summary
+
+
+@pytest.mark.parametrize(("version", "flags", "refused"), [
+    ("2.11.0+cu130", [], True), ("2.12.1", [], True),
+    ("2.11.0+cu130", ["--disable-validation"], False), ("2.13.0+cpu", [], False),
+])
+def test_validation_through_the_chunked_loss_is_refused_where_torch_fails_it(
+    tmp_path: Path, version: str, flags: list[str], refused: bool
+) -> None:
+    """torch 2.11's FSDP2 failed the first validation through the chunked loss, after the
+    epoch's training (by hand, 2026-12-06: "aten.embedding.default got mixed torch.Tensor
+    and DTensor"); the run stops before training instead."""
+    from fairseq_shard_plugin.errors import ShardingConfigError
+    from fairseq_shard_plugin.training.validation import check_chunked_validation
+
+    from tiny_training import sharded_config
+
+    cfg = sharded_config(tmp_path, "--criterion", "chunked_label_smoothed_cross_entropy",
+                         *flags)
+    if not refused:
+        check_chunked_validation(cfg, version)
+        return
+    expected = (f"fails inside torch {re.escape(version)}'s FSDP2 at the first validation "
+                r"\(checked: 2.11 fails, 2.13 works\): add --disable-validation")
+    with pytest.raises(ShardingConfigError, match=expected):
+        check_chunked_validation(cfg, version)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from fairseq_shard_plugin.checkpoint.sharded import SHARDS_DIR
 from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
 from fairseq_shard_plugin.sharding.settings import shard_group_size
+from fairseq_shard_plugin.torch_support import installed_torch
 from fairseq_shard_plugin.training.hydra_keys import running_under_hydra
 from fairseq_shard_plugin.training.launch_env import launched_by_torchrun, uses_cuda
 from fairseq_shard_plugin.training.signal_stop import parse_signals
@@ -429,3 +431,27 @@ def check_a_lost_last_checkpoint(checkpoint_cfg: Any) -> None:
         f"--restore-file {newest} (the newest, update {updates[newest]}; "
         f"fairseq-shard-verify {save_dir} checks them); to start anew, give another "
         "--save-dir")
+
+
+# torch releases whose FSDP2 runs a validation forward through the chunked loss with the
+# vocabulary unit's weight left sharded ("aten.embedding.default got mixed torch.Tensor and
+# DTensor", at the first validation, after training): 2.11 (by hand, 2026-12-06); 2.13
+# passes the suite; 2.12 was not checked
+_CHUNKED_VALIDATION_FAILS_BEFORE = (2, 13)
+
+
+def check_chunked_validation(cfg: Any, torch_version: str | None = None) -> None:
+    """Refuse, before training, a validation that would fail on this torch (or
+    ``torch_version``) only once the first validation comes (after an epoch or
+    --validate-interval-updates of training)."""
+    if (getattr(cfg.criterion, "_name", None) != "chunked_label_smoothed_cross_entropy"
+            or cfg.dataset.disable_validation):
+        return
+    version = torch_version or installed_torch() or ""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found and (int(found[1]), int(found[2])) < _CHUNKED_VALIDATION_FAILS_BEFORE:
+        raise ShardingConfigError(
+            f"validation through --criterion chunked_label_smoothed_cross_entropy fails "
+            f"inside torch {version}'s FSDP2 at the first validation (checked: 2.11 fails, "
+            "2.13 works): add --disable-validation, use the stock "
+            "label_smoothed_cross_entropy, or upgrade torch to >= 2.13")
