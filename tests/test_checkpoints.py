@@ -1165,3 +1165,38 @@ def test_fairseq_generate_names_a_damaged_or_truncated_checkpoint_in_one_line(
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
         assert done.stderr.strip().splitlines()[-1].startswith(
             f"fairseq-shard-plugin: error: {said}"), done.stderr[-1000:]
+
+
+@pytest.mark.parametrize("agreed", [False, True], ids=["waiting-for-a-peer", "saving"])
+def test_a_later_signal_before_the_ranks_agreed_ends_the_process(agreed: bool) -> None:
+    """A rank waiting in a collective for a peer that hangs never reaches the agreement:
+    an operator's second SIGTERM was ignored until gloo's timeout (T2 #3). A repeat within
+    the patience (srun torchrun delivers two) is recorded only, and once the ranks agreed
+    the save goes on whatever comes."""
+    script = f"""
+import os, signal, sys, time
+import torch
+from fairseq_shard_plugin.training import signal_stop
+signal_stop.PATIENCE_S = 0.5
+stop = signal_stop.install((signal.SIGTERM,))
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.1)
+os.kill(os.getpid(), signal.SIGTERM)
+if {agreed}:
+    stop.agreed(torch.device("cpu"))
+time.sleep(0.7)
+print("alive after the repeat", stop.received, flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+print("alive at the end", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert f"alive after the repeat {int(signal.SIGTERM)}" in done.stdout, done.stderr[-2000:]
+    if agreed:
+        assert done.returncode == 0 and "alive at the end" in done.stdout
+    else:
+        assert done.returncode == -signal.SIGTERM and "alive at the end" not in done.stdout
+        assert ("fairseq-shard-plugin: SIGTERM again, 0.5 s or more after the first, before the "
+                "ranks agreed to stop (a peer does not answer?): ending without saving"
+                ) in done.stderr

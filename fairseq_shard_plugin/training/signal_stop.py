@@ -9,16 +9,22 @@ ranks learn with one all-reduce of one number whether any of them got one, and t
 them save ``checkpoint_last.pt`` (without validating: the time left is short) and leave
 with exit code 128 + the signal's number, the code of a process ended by that signal, so
 launchers and scripts see an unfinished run (torchrun's ``--max-restarts`` restarts it,
-and the same command resumes). Repeated signals change nothing: under ``srun torchrun`` a
-worker can get the scheduler's signal and the one torchrun forwards; the launchers' own
-SIGKILL deadlines (torchrun's ``--shutdown-timeout``, Slurm's KillWait) bound the save.
+and the same command resumes). A repeated signal within :data:`PATIENCE_S` changes
+nothing (under ``srun torchrun`` a worker can get the scheduler's signal and the one torchrun
+forwards), nor does one once the ranks have agreed to stop (the save runs; the launchers'
+own SIGKILL deadlines, torchrun's ``--shutdown-timeout`` and Slurm's KillWait, bound it). A
+signal that comes later while the ranks have not agreed, because this rank waits in a
+collective for a peer that hangs, ends the process as the signal does without a handler
+(an operator's second ``kill`` used to be ignored until gloo's 30-minute timeout, T2 #3).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
 from types import FrameType
 
 import torch
@@ -28,6 +34,9 @@ from fairseq_shard_plugin.sharding.options import DEFAULT_SIGNALS
 
 logger = logging.getLogger(__name__)
 
+# seconds after the first signal from which another one, before the ranks agreed to stop,
+# ends the process (the first is recorded only)
+PATIENCE_S = 10.0
 
 
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:
@@ -53,6 +62,7 @@ class SignalStop:
     def __init__(self, signals: tuple[signal.Signals, ...]) -> None:
         self.signals = signals
         self.received: int | None = None  # this process's signal
+        self._first_at = 0.0  # when it came (time.monotonic())
         self.stopped_by: int | None = None  # the signal all ranks stopped for
 
     def install(self) -> None:
@@ -67,7 +77,14 @@ class SignalStop:
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
-            self.received = signum
+            self.received, self._first_at = signum, time.monotonic()
+            return
+        if self.stopped_by is None and time.monotonic() - self._first_at >= PATIENCE_S:
+            os.write(2, f"fairseq-shard-plugin: {signal.Signals(signum).name} again, "
+                     f"{PATIENCE_S:g} s or more after the first, before the ranks agreed "
+                     "to stop (a peer does not answer?): ending without saving\n".encode())
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     def agreed(self, device: torch.device) -> int | None:
         """The signal some rank received (the highest number if several), or None.
