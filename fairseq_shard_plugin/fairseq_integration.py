@@ -526,8 +526,13 @@ def _naming_what_was_written(error: WriteError, written: str | None) -> WriteErr
     the error says so, and how to resume from it."""
     if not written or os.path.basename(written) in str(error):
         return error
-    return WriteError(f"{error}; {os.path.basename(written)} was written whole before it: to "
-                      "resume from its update rather than checkpoint_last.pt's, copy it over "
+    name = os.path.basename(written)
+    if not os.path.isfile(os.path.join(os.path.dirname(written), "checkpoint_last.pt")):
+        return WriteError(f"{error}; {name} was written whole before it, and no "
+                          f"checkpoint_last.pt yet: to resume from {name}, copy it to "
+                          "checkpoint_last.pt first")
+    return WriteError(f"{error}; {name} was written whole before it: to resume from its "
+                      "update rather than checkpoint_last.pt's, copy it over "
                       "checkpoint_last.pt first")
 
 

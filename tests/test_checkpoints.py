@@ -458,9 +458,26 @@ def test_a_failed_first_save_does_not_promise_a_resume(tmp_path: Path) -> None:
     line = str(save_failure(WriteError("could not write x"), str(tmp_path)))
     assert line.endswith("run the same command again: no checkpoint was saved yet, so it "
                          "starts afresh")
+    # a first save whose copy to checkpoint_last.pt failed after checkpoint_1_10.pt was
+    # written: no "no checkpoint was saved yet" beside "written whole" (T2 #6)
+    copied = WriteError("could not write checkpoint_last.pt; checkpoint_1_10.pt was written "
+                        "whole before it, and no checkpoint_last.pt yet: to resume from "
+                        "checkpoint_1_10.pt, copy it to checkpoint_last.pt first")
+    line = str(save_failure(copied, str(tmp_path)))
+    assert line.endswith("copy it to checkpoint_last.pt first. Fix that and run the same "
+                         "command again") and "saved yet" not in line
     (tmp_path / "checkpoint_last.pt").write_bytes(b"")
     assert "it resumes from checkpoint_last.pt" in str(save_failure(WriteError("x"),
                                                                     str(tmp_path)))
+
+
+def test_a_failed_write_of_a_new_file_does_not_call_it_unchanged(tmp_path: Path) -> None:
+    """A checkpoint_best.pt that never existed was "unchanged" (T2 #6)."""
+    def fail(out: BinaryIO) -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(WriteError, match="no checkpoint_best.pt was written$"):
+        write_atomically(tmp_path / "checkpoint_best.pt", fail)
 
 
 @pytest.mark.parametrize("cause, advice", [

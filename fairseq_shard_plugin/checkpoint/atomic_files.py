@@ -152,6 +152,7 @@ def write_atomically(path: str | Path, write: Callable[[BinaryIO], None]) -> Non
     A write the system refuses raises :class:`WriteError` (the temporary file removed)."""
     path = Path(path)
     temporary: Path | None = None
+    existed = os.path.lexists(path)
     try:
         remove_stale_partial_files(path)
         temporary, out = _create_partial_file(path)
@@ -167,7 +168,8 @@ def write_atomically(path: str | Path, write: Callable[[BinaryIO], None]) -> Non
         if cause is None or isinstance(error, WriteError) or not isinstance(error, Exception):
             raise
         raise WriteError(f"could not write {path}: {describe_os_error(cause)}; "
-                         f"{path.name} is unchanged") from error
+                         + (f"{path.name} is unchanged" if existed
+                            else f"no {path.name} was written")) from error
     fsync_directory(path.parent)
 
 

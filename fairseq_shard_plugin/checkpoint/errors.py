@@ -68,6 +68,8 @@ def save_failure(error: WriteError, save_dir: str) -> CheckpointWriteError:
     else:
         fix = "Fix that"
     if not any(Path(save_dir).glob("checkpoint_last*.pt")):
+        if "was written whole before it" in str(error):  # the copy the error names
+            return CheckpointWriteError(f"{error}. {fix} and run the same command again")
         return CheckpointWriteError(
             f"{error}. {fix} and run the same command again: no checkpoint was saved yet, "
             "so it starts afresh")
