@@ -289,5 +289,15 @@ def test_a_fifo_given_to_verify_is_named_for_what_it_is(tmp_path: Path) -> None:
         checkpoint_files([str(fifo)])
     with pytest.raises(FileNotFoundError, match="no such file or directory"):
         checkpoint_files([str(tmp_path / "gone.pt")])
-    with pytest.raises(FileNotFoundError, match="pipe.pt: not a regular file"):
-        checkpoint_files([str(tmp_path)])  # under a checkpoint's name in a save dir too
+    # in a save dir: listed, damaged, never opened (the listing went on past it; it had
+    # stopped there, and a directory or a dangling link under a checkpoint's name passed)
+    (tmp_path / "checkpoint_last.pt").mkdir()
+    (tmp_path / "checkpoint_best.pt").symlink_to(tmp_path / "gone")
+    listed = checkpoint_files([str(tmp_path)])
+    assert [path.name for path in listed] == ["checkpoint_best.pt", "checkpoint_last.pt",
+                                              "pipe.pt"]
+    assert [verify.check(path).line for path in listed] == [
+        f"{tmp_path / name}: {kind}, not a checkpoint file (a resume refuses it: move it out "
+        "of the save dir)" for name, kind in [("checkpoint_best.pt", "a link to nothing"),
+                                             ("checkpoint_last.pt", "a directory"),
+                                             ("pipe.pt", "a FIFO, socket or device")]]

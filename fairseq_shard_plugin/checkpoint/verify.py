@@ -114,7 +114,13 @@ def _rank_file_kind(path: Path, state: dict[str, Any]) -> str:
 
 
 def check(path: Path) -> Verdict:
-    """The verdict on one checkpoint file."""
+    """The verdict on one checkpoint file (a save dir's entry under a checkpoint's name that
+    is no file is damaged: never opened, as a FIFO would block)."""
+    if not path.is_file():
+        kind = ("a directory" if path.is_dir() else "a link to nothing" if path.is_symlink()
+                else "a FIFO, socket or device")
+        return Verdict(path, False, f"{path}: {kind}, not a checkpoint file (a resume "
+                       "refuses it: move it out of the save dir)")
     allow_fairseq_checkpoint_types()
     try:
         state = read_checkpoint(path)
@@ -157,16 +163,14 @@ def check(path: Path) -> Verdict:
 
 
 def checkpoint_files(sources: Sequence[str]) -> list[Path]:
-    """The files named, and every ``*.pt`` of the directories named."""
+    """The files named, and every ``*.pt`` entry of the directories named (one that is no
+    file, as a directory or a FIFO under ``checkpoint_last.pt``, is listed as damaged: a
+    resume refuses it, so a save dir holding one must not pass, T2 #7)."""
     files: list[Path] = []
     for source in sources:
         path = Path(source)
         if path.is_dir():
-            for entry in sorted(path.glob("*.pt")):
-                if entry.is_file():
-                    files.append(entry)
-                elif entry.exists() and not entry.is_dir():  # a FIFO, a device
-                    raise FileNotFoundError(f"{entry}: not a regular file or directory")
+            files.extend(sorted(path.glob("*.pt")))
         elif path.is_file():
             files.append(path)
         elif path.exists():  # a FIFO, a device: reading it could block, and it is no file
