@@ -374,16 +374,36 @@ class _TrainThenExport:
                 logger.info(str(finished))
             signum = stopped_by()
             if signum is not None:  # saved and stopped early (hook 9): not the final model
+                name = signal.Signals(signum).name
+                tell_the_launcher(  # torchrun's summary: a requested stop, not a crash
+                    f"fairseq-shard-plugin: stopped on {name} (exit code {128 + signum}) "
+                    + ("without saving (--no-save)" if cfg.checkpoint.no_save else
+                       "after saving checkpoint_last.pt: the same command resumes"))
                 sys.exit(128 + signum)
             target = sharding_options(cfg.task).export_consolidated
-            if target and cfg.distributed_training.distributed_rank == 0:
-                from fairseq_shard_plugin.checkpoint.consolidate import export_consolidated
+            if target:
+                self._export(cfg, target)
+        return result
 
-                last = f"checkpoint_last{cfg.checkpoint.checkpoint_suffix}.pt"
+    @staticmethod
+    def _export(cfg: Any, target: str) -> None:
+        """Rank 0 exports; every rank learns how it went (the others waited in fairseq's
+        last barrier and died there in a gloo traceback when rank 0 failed, T2 #5)."""
+        failure = None
+        if cfg.distributed_training.distributed_rank == 0:
+            from fairseq_shard_plugin.checkpoint.consolidate import export_consolidated
+
+            last = f"checkpoint_last{cfg.checkpoint.checkpoint_suffix}.pt"
+            try:
                 written = export_consolidated(os.path.join(cfg.checkpoint.save_dir, last),
                                               target)
                 logger.info(f"exported the final model to {os.path.abspath(written)}")
-        return result
+            except ShardPluginError as error:
+                failure = error
+        failed = _first_failure(failure)
+        if failed is not None:
+            raise WriteError(f"{failed} (the training itself finished: once that is fixed, "
+                             "the same command exports without training)")
 
 
 def _settings_of(cfg: Any) -> Any:
@@ -536,7 +556,7 @@ def _naming_what_was_written(error: WriteError, written: str | None) -> WriteErr
                       "checkpoint_last.pt first")
 
 
-def _first_failure(failure: WriteError | None) -> str | None:
+def _first_failure(failure: Exception | None) -> str | None:
     """Collective: the first failed write among every rank's (``failure`` is this rank's),
     as its message, or None when every rank's save succeeded."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -256,10 +256,17 @@ def test_a_signal_during_an_epochs_last_update_validates_the_epoch_first(
             "--task", "sharded_translation", "--no-epoch-checkpoints",
             "--max-epoch", "1" if last_epoch else "3",
             "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded"]
-    env = dict(os.environ, SIGNAL_UPDATE=str(epoch_end), OMP_NUM_THREADS="1")
+    error_file = tmp_path / "error.json"  # torchrun's, for its closing summary
+    env = dict(os.environ, SIGNAL_UPDATE=str(epoch_end), OMP_NUM_THREADS="1",
+               TORCHELASTIC_ERROR_FILE=str(error_file))
     returncode, output = start_ranks([sys.executable, str(SIGNAL_HELPER), *args], 2, env,
                                      timeout=300)
     assert returncode == (0 if last_epoch else 128 + signal.SIGUSR1), output[-3000:]
+    # a requested stop, not a crash, in torchrun's "Root Cause" (T2 #9)
+    assert error_file.exists() != last_epoch
+    assert last_epoch or ("fairseq-shard-plugin: stopped on SIGUSR1 (exit code 138) after "
+                          "saving checkpoint_last.pt: the same command resumes"
+                          ) in error_file.read_text()
     valid = parse_logs(output)["valid"]
     assert [int(entry["valid_num_updates"]) for entry in valid] == [epoch_end], output[-3000:]
     assert valid[0]["valid_loss"] == sixteen_updates.logs["valid"][0]["valid_loss"]
@@ -1217,3 +1224,29 @@ print("alive at the end", flush=True)
         assert ("fairseq-shard-plugin: SIGTERM again, 0.5 s or more after the first, before the "
                 "ranks agreed to stop (a peer does not answer?): ending without saving"
                 ) in done.stderr
+
+
+EXPORT_FAILS_HELPER = REPO / "tests" / "helpers" / "export_fails.py"
+
+
+def test_an_export_that_fails_on_rank_0_ends_every_rank_with_its_line(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """Rank 0 exports while the others wait for the end: they died in fairseq's last
+    barrier, in a gloo traceback, when rank 0's export failed (T2 #5)."""
+    target = tmp_path / "export" / "final.pt"
+    args = [*training_args(corpus, tmp_path / "save", 4), *TINY, "--task", "sharded_translation",
+            "--export-consolidated", str(target), "--user-dir", str(PLUGIN_DIR),
+            "--ddp-backend", "fully_sharded"]
+    env = dict(os.environ, FILE_LIMIT="4096", OMP_NUM_THREADS="1")
+    returncode, output = start_ranks([sys.executable, str(EXPORT_FAILS_HELPER), *args], 2, env,
+                                     timeout=300)
+    assert returncode == 1, output[-3000:]
+    errors = [line for line in output.splitlines()
+              if line.startswith("fairseq-shard-plugin: error: ")]
+    # rank 1's line (rank 0's own output file is past the helper's limit by then)
+    assert len(set(errors)) == 1, output[-3000:]
+    assert f"could not write {target}: " in errors[0]
+    assert errors[0].endswith("(the training itself finished: once that is fixed, the same "
+                              "command exports without training)")
+    assert "Traceback" not in output and not target.exists()
