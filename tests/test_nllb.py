@@ -33,7 +33,7 @@ from launching.harness import (
     tool,
 )
 
-from tiny_training import ON_NLLB_BRANCH
+from tiny_training import ON_NLLB_BRANCH, sharded_config
 
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
 
@@ -537,3 +537,23 @@ def test_only_what_the_checkpoint_itself_says_numbers_its_language_tokens(
     assert languages_numbering_the_tokens(task(lang_pairs=["eng_Latn-fra_Latn"])) == [
         "eng_Latn", "fra_Latn"]
     assert languages_numbering_the_tokens({"cfg": {"task": {"_name": "translation"}}}) is None
+
+
+def test_the_bilingual_task_on_multilingual_data_says_it_trains_one_pair(
+    multilingual: Path, corpus: Path
+) -> None:
+    """configs/nllb/tiny.yaml without +corpus=multilingual on NLLB-style data trained one of
+    its directions, without language tokens, and said nothing (T3 #9)."""
+    from fairseq_shard_plugin.tasks.sharded_translation import one_of_several_pairs
+
+    told = one_of_several_pairs(sharded_config(multilingual).task)
+    assert re.fullmatch(
+        rf"DATA {re.escape(str(multilingual))} holds 4 language pairs \(deu_Latn-eng_Latn, "
+        r"eng_Latn-deu_Latn, eng_Latn-fra_Latn, fra_Latn-eng_Latn\) and no "
+        r"--source-lang/--target-lang is given: the translation task trains on "
+        r"[a-z]{3}_Latn-[a-z]{3}_Latn alone; for all of them use --task "
+        r"sharded_translation_multi_simple_epoch \(fairseq-hydra-train: \+corpus=multilingual\)",
+        told or ""), told
+    given = sharded_config(multilingual, "--source-lang", "eng_Latn", "--target-lang", "fra_Latn")
+    assert one_of_several_pairs(given.task) is None
+    assert one_of_several_pairs(sharded_config(corpus).task) is None  # one pair
