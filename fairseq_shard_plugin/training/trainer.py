@@ -63,6 +63,7 @@ from fairseq_shard_plugin.sharding.settings import ShardingSettings, warn_once
 from fairseq_shard_plugin.sharding.sharded_adam import ShardedAdam
 from fairseq_shard_plugin.training import signal_stop
 from fairseq_shard_plugin.training.data_position import convert_position, record_ranks
+from fairseq_shard_plugin.training.divergence import diverged
 from fairseq_shard_plugin.training.final_saves import refuse_a_step_past_the_end
 from fairseq_shard_plugin.training.launch_env import (
     ensure_process_group,
@@ -498,8 +499,10 @@ class ShardedTrainer(Trainer):
                     samples, raise_oom=True), log_free_memory=True)
         except StopIteration as error:
             if isinstance(error.__context__, FloatingPointError):
-                raise error.__context__ from None
+                raise diverged(error.__context__, self.cfg, self.get_num_updates()) from None
             raise
+        except FloatingPointError as error:
+            raise diverged(error, self.cfg, self.get_num_updates()) from error
         if not self._space_reported:
             self._report_checkpoint_space()
         if self.offload:
