@@ -45,12 +45,14 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    plugin's sharded format (cleared, so fairseq's ``-shard0`` names are never used),
    sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` for sharded CUDA runs where
    the user has not configured the allocator (it is read when CUDA starts, which happens
-   inside fairseq's function), rejects unworkable sharded configurations
-   with a one-line error before any process group or data is touched, and turns a
-   checkpoint that cannot be loaded into a one-line error naming the file and the mismatch.
-   Under ``--export-consolidated PATH`` it also runs, after training on rank 0, the export
-   of the final ``checkpoint_last.pt`` (fairseq's ``main`` has no end-of-training hook),
-   unless a signal stopped the training (hook 9). Every rank first joins rank 0 in
+   inside fairseq's function), rejects unworkable sharded configurations (and a save dir
+   whose checkpoints fairseq would train over from scratch, having lost its
+   ``checkpoint_last.pt``) with a one-line error before any process group or data is
+   touched, and turns a checkpoint that cannot be loaded into a one-line error naming the
+   file and the mismatch. Under ``--export-consolidated PATH`` it also runs, after training
+   on rank 0, the export of the final ``checkpoint_last.pt`` (fairseq's ``main`` has no
+   end-of-training hook; every rank learns how it went), unless a signal stopped the
+   training (hook 9). Every rank first joins rank 0 in
    holding the save dir for the training (``checkpoint.save_dir_claim``: one training per
    save dir, the same directory on every rank), before fairseq's ``main`` reads or writes
    anything there.
@@ -121,8 +123,10 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    first asks the trainer's ``signal_stop`` (one all-reduce) whether any rank received a
    ``--save-on-signal`` signal; if one did, every rank saves through fairseq's own
    ``save_checkpoint`` (so ``checkpoint_last.pt`` and fairseq's other names are written as
-   usual) without validating, and the loop stops. Hook 4 then exits with 128 + the
-   signal's number instead of exporting. A signal during the last update changes nothing.
+   usual) without validating (except at an epoch's end, where the epoch's validation is
+   due and a resume would start the next epoch), and the loop stops. Hook 4 then exits
+   with 128 + the signal's number instead of exporting (torchrun's error file says so). A
+   signal during the last update (``--max-update``, the last epoch's) changes nothing.
    Where fairseq's rules would leave no checkpoint to resume from or to export (a signal
    under ``--no-last-checkpoints``; the last epoch between two ``--save-interval`` saves
    with ``--export-consolidated``), the wrapper saves anyway (``training.final_saves``).

@@ -56,6 +56,7 @@ from fairseq_shard_plugin.checkpoint.stock_optimizer_state import (
 from fairseq_shard_plugin.sharding.full_state import share_tied_tensors, tied_parameter_names
 from fairseq_shard_plugin.sharding.options import checkpoint_format
 from fairseq_shard_plugin.tasks.multilingual_checks import (
+    GIVE_THE_LANGUAGE_TOKEN_FLAGS,
     language_order_problem,
     language_tokens_problem,
 )
@@ -253,10 +254,10 @@ def _same_language_tokens(trainer: Any, filename: str, state: dict[str, Any],
     problem = language_tokens_problem(stored_language_tokens(state), task.args)
     fine_tune = reset_optimizer or filename == trainer.cfg.checkpoint.finetune_from_model
     if problem and not fine_tune:
-        raise CheckpointLoadError(f"{filename} {problem}")
+        raise CheckpointLoadError(f"{filename} {problem}: {GIVE_THE_LANGUAGE_TOKEN_FLAGS}")
     if problem and trainer.is_data_parallel_master:
-        logger.warning(f"{filename} {problem.split(': give ')[0]}: the fine-tune learns "
-                       "the new ones from the checkpoint's weights")
+        logger.warning(f"{filename} {problem}: the fine-tune learns the new ones from the "
+                       "checkpoint's weights")
 
 
 def saved_without_optimizer_state(state: dict[str, Any]) -> bool:

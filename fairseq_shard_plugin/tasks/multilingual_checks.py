@@ -103,8 +103,12 @@ def language_tokens_problem(trained: tuple[Any, bool] | None, args: Any) -> str 
         return (f"--encoder-langtok {tokens[0] or 'not given'}, --decoder-langtok "
                 f"{'given' if tokens[1] else 'not given'}")
 
-    return (f"was trained with {flags(trained)}; this run has {flags(now)}: give the "
-            "training's language-token flags (task.encoder_langtok, task.decoder_langtok)")
+    return f"was trained with {flags(trained)}; this run has {flags(now)}"
+
+
+# what to do about a :func:`language_tokens_problem` where the flags must match
+GIVE_THE_LANGUAGE_TOKEN_FLAGS = ("give the training's language-token flags "
+                                 "(task.encoder_langtok, task.decoder_langtok)")
 
 
 def dictionary_mismatch(data: str, lang_pairs: Any) -> str:

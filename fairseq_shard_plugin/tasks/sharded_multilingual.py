@@ -22,6 +22,7 @@ from omegaconf import DictConfig, open_dict
 from fairseq_shard_plugin.sharding.options import add_sharding_args
 from fairseq_shard_plugin.tasks.checkpoint_match import MatchingTheCheckpoint
 from fairseq_shard_plugin.tasks.multilingual_checks import (
+    GIVE_THE_LANGUAGE_TOKEN_FLAGS,
     check_lang_pairs,
     check_langs_files,
     check_sampling_temperature,
@@ -98,7 +99,7 @@ def check_the_checkpoints_languages(task: TranslationMultiSimpleEpochTask, cfg: 
         raise MultilingualOptionError(f"{read.path}: {problem}")
     tokens = language_tokens_problem(read.language_tokens, task.args)
     if tokens:
-        raise MultilingualOptionError(f"{read.path} {tokens}")
+        raise MultilingualOptionError(f"{read.path} {tokens}: {GIVE_THE_LANGUAGE_TOKEN_FLAGS}")
 
 
 @register_task(TASK_NAME, dataclass=ShardedMultilingualConfig)

@@ -417,7 +417,7 @@ class ShardedTrainer(Trainer):
                 self._continue_the_schedule(args[1] if len(args) > 1 else kwargs.get(
                     "reset_lr_scheduler", False))
         except Exception as error:
-            scheduler = self.cfg.lr_scheduler._name
+            scheduler = str(getattr(self.cfg.lr_scheduler, "_name", None))
             if isinstance(error, ShardPluginError):  # the plugin's own one line
                 message = str(error)
             elif (schedule := describe_schedule_problem(filename, error, scheduler)):
