@@ -378,7 +378,8 @@ def test_a_checkpoint_trained_with_a_lang_dict_stores_the_list(
         assert generate(reordered, task=task).startswith(
             f"fairseq-shard-plugin: error: {tmp_path / 'checkpoint_last.pt'}: the checkpoint's "
             "language tokens are numbered by its "
-            "training's --langs, and this run's list differs (the same languages in another "
+            "training's language list (its --langs, or the sorted languages of its "
+            "--lang-pairs), and this run's list differs (the same languages in another "
             "order)")
         # without the training's language tokens it translated, differently, without a word
         assert generate(multilingual / "langs.txt", tokens=("--decoder-langtok",),
@@ -439,8 +440,9 @@ def test_a_checkpoint_trained_with_langs_file_stores_the_list(
     resumed = run_training(args + ["--disable-validation"], nproc=1, plugin=True, check=False)
     assert resumed.returncode != 0
     assert (f"fairseq-shard-plugin: error: {tmp_path / 'checkpoint_last.pt'}: the "
-            "checkpoint's language tokens are numbered by its training's --langs, and this "
-            "run's list differs (the same languages in another order): give --langs "
+            "checkpoint's language tokens are numbered by its training's language list (its "
+            "--langs, or the sorted languages of its --lang-pairs), and this run's list "
+            "differs (the same languages in another order): give --langs "
             f"{','.join(codes)} (the training's langs file") in resumed.output
     # a Hydra run's model config holds no langs (they are task.langs only): generation with
     # another order renumbered every language token without a word
@@ -458,7 +460,8 @@ def test_a_checkpoint_trained_with_langs_file_stores_the_list(
     assert generated.stderr.strip().splitlines()[-1].startswith(
         f"fairseq-shard-plugin: error: {tmp_path / 'hydra_shaped.pt'}: the checkpoint's "
         "language tokens are numbered by its "
-        "training's --langs, and this run's list differs (the same languages in another "
+        "training's language list (its --langs, or the sorted languages of its "
+            "--lang-pairs), and this run's list differs (the same languages in another "
         "order)"), generated.stderr[-3000:]
     # its export loads in stock fairseq's from_pretrained, in a process without the plugin
     # (the task is registered without a dataclass: fairseq finds it by cfg.task.task); the

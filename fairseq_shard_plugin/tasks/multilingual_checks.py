@@ -85,9 +85,10 @@ def language_order_problem(stored: Any, current: Sequence[str] | None) -> str | 
         difference = "; ".join(part for part in (
             f"missing {','.join(missing[:5])}" if missing else "",
             f"not in the checkpoint {','.join(added[:5])}" if added else "") if part)
-    return (f"the checkpoint's language tokens are numbered by its training's --langs, and "
-            f"this run's list differs ({difference}): give --langs {shown} (the training's "
-            "langs file or list; without --langs fairseq sorts the languages it finds)")
+    return ("the checkpoint's language tokens are numbered by its training's language list "
+            "(its --langs, or the sorted languages of its --lang-pairs), and this run's list "
+            f"differs ({difference}): give --langs {shown} (the training's langs file or "
+            "list; without --langs fairseq sorts the languages it finds)")
 
 
 def language_tokens_problem(trained: tuple[Any, bool] | None, args: Any) -> str | None:
