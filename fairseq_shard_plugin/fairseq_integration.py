@@ -164,7 +164,9 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
     another ``--langs`` order or other language-token flags than the training's translated
     differently, exit status 0. Built from a checkpoint, the stock task's model is checked
     as the plugin's task checks its own (``tasks.sharded_multilingual``): one line naming
-    the training's values.
+    the training's values. Its ``setup_task`` too: the stock task takes ``--langs`` as a
+    comma list only, and a langs file (as the plugin's task and docs take it) ended in
+    fairseq's "not in the language dictionary" traceback; one line says what to give.
 
 Signatures that differ between fairseq 0.12 and the nllb branch (extra keyword arguments of
 ``fsdp_enable_wrap``, ``save_checkpoint``, ``load_checkpoint_to_cpu``, ``Trainer.state_dict``
@@ -874,6 +876,27 @@ def _checking_the_languages(stock_build: Callable[..., Any]) -> Callable[..., An
     return _marked(build_model, stock_build)
 
 
+def _naming_a_langs_file(stock_setup: Callable[..., Any]) -> Callable[..., Any]:
+    """Replaces ``TranslationMultiSimpleEpochTask.setup_task``'s function (hook 13)."""
+    from fairseq_shard_plugin.tasks.multilingual_config import MultilingualOptionError
+
+    def setup_task(cls: type, args: Any, *more: Any, **kwargs: Any) -> Any:
+        try:
+            return stock_setup(cls, args, *more, **kwargs)
+        except ValueError as error:
+            langs = getattr(args, "langs", None)
+            if not (isinstance(langs, list) and len(langs) == 1 and os.path.isfile(
+                    str(langs[0])) and "not in the language dictionary" in str(error)):
+                raise
+            raise MultilingualOptionError(
+                f"--langs {langs[0]}: fairseq's translation_multi_simple_epoch reads --langs "
+                "as comma-separated codes, not a file: give --lang-dict "
+                f"{langs[0]}, the codes themselves, or --task "
+                "sharded_translation_multi_simple_epoch, which reads either") from None
+
+    return _marked(setup_task, stock_setup)
+
+
 def _train_modules() -> list[Any]:
     """``fairseq_cli.train``, and ``__main__`` when run as ``python -m fairseq_cli.train``."""
     modules = [train_cli]
@@ -906,6 +929,7 @@ def _unhookable() -> list[str]:
         (Trainer, "_build_optimizer"),
         (Trainer, "_reduce_and_log_stats"),
         (_multilingual_task(), "build_model"),  # hook 13
+        (_multilingual_task(), "setup_task"),
     ]
     if hasattr(checkpoint_utils, "torch_load_cpu"):  # nllb branch only
         required.append((checkpoint_utils, "torch_load_cpu"))
@@ -990,6 +1014,9 @@ def install() -> None:
     multilingual = _multilingual_task()
     if not _is_plugin_hook(multilingual.build_model):
         multilingual.build_model = _checking_the_languages(multilingual.build_model)
+    if not _is_plugin_hook(multilingual.setup_task.__func__):
+        multilingual.setup_task = classmethod(  # type: ignore[method-assign]
+            _naming_a_langs_file(multilingual.setup_task.__func__))
     if not _is_plugin_hook(argparse.ArgumentParser.error):
         argparse.ArgumentParser.error = _short_parser_errors(  # type: ignore[method-assign]
             argparse.ArgumentParser.error)

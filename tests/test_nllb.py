@@ -398,6 +398,21 @@ def test_a_checkpoint_trained_with_a_lang_dict_stores_the_list(
         ": 3 more dictionary entries in the model, the data-source tags of "
         "--add-data-source-prefix-tags, which the checkpoint's run did not use: remove that "
         "flag"), tagged
+    # fairseq's own task with a langs FILE as --langs (the plugin's task reads it): its
+    # traceback "not in the language dictionary; langs: ['.../langs.txt']" (T3 #7)
+    langs_file = run_command([
+        tool("fairseq-generate"), str(multilingual), "--path", str(tmp_path / "checkpoint_last.pt"),
+        "--cpu", "--user-dir", str(PLUGIN_DIR), "--task", "translation_multi_simple_epoch",
+        "--langs", str(multilingual / "langs.txt"), "--lang-pairs", "-".join(codes[:2]),
+        "--source-lang", codes[0], "--target-lang", codes[1], "--encoder-langtok", "src",
+        "--decoder-langtok", "--gen-subset", "valid", "--beam", "1", "--max-tokens", "1000"])
+    assert langs_file.returncode == 1 and "Traceback" not in langs_file.stderr, \
+        langs_file.stderr[-3000:]
+    assert langs_file.stderr.strip().splitlines()[-1] == (
+        f"fairseq-shard-plugin: error: --langs {multilingual / 'langs.txt'}: fairseq's "
+        "translation_multi_simple_epoch reads --langs as comma-separated codes, not a file: "
+        f"give --lang-dict {multilingual / 'langs.txt'}, the codes themselves, or --task "
+        "sharded_translation_multi_simple_epoch, which reads either")
 
 
 def test_a_checkpoint_trained_with_langs_file_stores_the_list(
