@@ -26,6 +26,13 @@ def installed_torch() -> str | None:
         return "unknown" if importlib.util.find_spec("torch") else None
 
 
+def release(version: str) -> tuple[int, int] | None:
+    """``(2, 11)`` of ``2.11.0+cu130``; None where the version does not start with
+    major.minor."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else None
+
+
 def torch_problem(installed: str | None) -> str | None:
     """One line saying what to do when torch ``installed`` is older than
     :data:`OLDEST_TORCH` or absent (None); None when it is recent enough or its version does
@@ -33,8 +40,8 @@ def torch_problem(installed: str | None) -> str | None:
     oldest = ".".join(map(str, OLDEST_TORCH))
     if installed is None:
         return f"torch is not installed: install torch >= {oldest} first (pip install torch)"
-    found = re.match(r"(\d+)\.(\d+)", installed)
-    if found is None or (int(found[1]), int(found[2])) >= OLDEST_TORCH:
+    major_minor = release(installed)
+    if major_minor is None or major_minor >= OLDEST_TORCH:
         return None
     return (f"torch {installed} is older than {oldest}, the oldest release the plugin runs "
             f"on (its FSDP2 and checkpoint writer need it): upgrade torch to >= {oldest} "

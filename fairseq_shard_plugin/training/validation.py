@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ from fairseq_shard_plugin.checkpoint.sharded import SHARDS_DIR
 from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
 from fairseq_shard_plugin.sharding.settings import shard_group_size
-from fairseq_shard_plugin.torch_support import installed_torch
+from fairseq_shard_plugin.torch_support import installed_torch, release
 from fairseq_shard_plugin.training.hydra_keys import running_under_hydra
 from fairseq_shard_plugin.training.launch_env import launched_by_torchrun, uses_cuda
 from fairseq_shard_plugin.training.signal_stop import parse_signals
@@ -448,8 +447,8 @@ def check_chunked_validation(cfg: Any, torch_version: str | None = None) -> None
             or cfg.dataset.disable_validation):
         return
     version = torch_version or installed_torch() or ""
-    found = re.match(r"(\d+)\.(\d+)", version)
-    if found and (int(found[1]), int(found[2])) < _CHUNKED_VALIDATION_FAILS_BEFORE:
+    major_minor = release(version)
+    if major_minor is not None and major_minor < _CHUNKED_VALIDATION_FAILS_BEFORE:
         raise ShardingConfigError(
             f"validation through --criterion chunked_label_smoothed_cross_entropy fails "
             f"inside torch {version}'s FSDP2 at the first validation (checked: 2.11 fails, "
