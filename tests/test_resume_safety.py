@@ -10,6 +10,7 @@ the plugin active it used to end in NaN: the loaded optimizer state stayed mappe
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -296,6 +297,12 @@ def test_a_run_that_saved_no_optimizer_state_continues_at_its_update(
     summary = parse_logs(output)["train"][-1]
     full = result_of(runs["full"], "fully_sharded")
     assert summary["epoch"] == full["epoch"] == 3
+    # fairseq-shard-verify calls such a checkpoint resumable (it called it an export, and
+    # --newest found nothing for a requeued job's --restore-file, T4 #2)
+    from fairseq_shard_plugin.checkpoint import verify
+
+    verdict = verify.check(tmp_path / "checkpoint_last.pt")
+    assert verdict.resumable and "resumes with a fresh optimizer" in verdict.line
     assert summary["train_num_updates"] == full["train_num_updates"]  # not restarted at 0
     assert summary["train_lr"] == full["train_lr"]  # the schedule went on from its update
     assert 0 < float(summary["train_loss"]) < 20
@@ -366,17 +373,20 @@ def test_a_save_dir_that_lost_its_last_checkpoint_is_not_trained_over(
     full = runs["work"] / "fully_sharded" / "full"
     for name in ("checkpoint1.pt", "checkpoint2.pt"):
         shutil.copyfile(full / name, tmp_path / name)
-    (tmp_path / "checkpoint_notes.pt").write_text("not a checkpoint")  # not counted
-    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    (tmp_path / "checkpoint_notes.pt").write_text("not a checkpoint")  # not counted, nor
+    shutil.copyfile(full / "checkpoint2.pt", tmp_path / "checkpoint2_x.pt")  # another suffix's
+    os.mkfifo(tmp_path / "checkpoint3.pt")  # never opened (the check waited on it, T4 #3)
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()}
     done = run_command([tool("fairseq-train"), *_args(corpus, tmp_path, "fully_sharded")],
                        env=rank_environment(), timeout=300)
     assert done.returncode == 1
     updates = torch.load(full / "checkpoint2.pt", weights_only=True)["optimizer_history"][
         -1]["num_updates"]
     assert done.stderr.strip().splitlines()[-1] == (
-        f"fairseq-shard-plugin: error: {tmp_path} holds 2 training checkpoint(s) but no "
-        "checkpoint_last.pt, so fairseq would train from scratch and save over them: to "
+        f"fairseq-shard-plugin: error: {tmp_path} holds 2 training checkpoint(s) and it has "
+        "no checkpoint_last.pt, so fairseq would train from scratch and save over them: to "
         f"resume, give --restore-file {tmp_path / 'checkpoint2.pt'} (the newest, update "
         f"{updates}; fairseq-shard-verify {tmp_path} checks them); to start anew, give "
         "another --save-dir")
-    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()
+            if path.is_file()} == before

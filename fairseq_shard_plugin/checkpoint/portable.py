@@ -99,6 +99,19 @@ def config_entry(config: Any, key: str) -> Any:
     return getattr(config, key, None)
 
 
+def saved_without_optimizer_state(state: dict[str, Any]) -> bool:
+    """Whether ``state`` is a training checkpoint whose run chose not to save optimizer
+    state (its config has ``--no-save-optimizer-state``; it still records the update count
+    and the learning-rate scheduler's state), as opposed to an export of a run that did."""
+    if "last_optimizer_state" in state:
+        return False
+    history = state.get("optimizer_history")
+    chose = (config_entry(config_entry(state.get("cfg"), "checkpoint"), "no_save_optimizer_state")
+             or config_entry(state.get("args"), "no_save_optimizer_state"))
+    return bool(chose) and isinstance(history, list) and bool(history) and isinstance(
+        history[-1], dict) and "num_updates" in history[-1]
+
+
 def _config_section(state: Any, key: str) -> Any:
     """``cfg.<key>`` of a saved state (dicts) or a loaded one (omegaconf), or None."""
     return config_entry(state.get("cfg") if isinstance(state, dict) else None, key)

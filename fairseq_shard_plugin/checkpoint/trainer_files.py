@@ -32,6 +32,7 @@ from fairseq_shard_plugin.checkpoint.integrity import corruption_message, damage
 from fairseq_shard_plugin.checkpoint.portable import (
     config_entry,
     languages_numbering_the_tokens,
+    saved_without_optimizer_state,
     stored_language_tokens,
 )
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
@@ -258,19 +259,6 @@ def _same_language_tokens(trainer: Any, filename: str, state: dict[str, Any],
     if problem and trainer.is_data_parallel_master:
         logger.warning(f"{filename} {problem}: the fine-tune learns the new ones from the "
                        "checkpoint's weights")
-
-
-def saved_without_optimizer_state(state: dict[str, Any]) -> bool:
-    """Whether ``state`` is a training checkpoint whose run chose not to save optimizer
-    state (its config has ``--no-save-optimizer-state``; it still records the update count
-    and the learning-rate scheduler's state), as opposed to an export of a run that did."""
-    if "last_optimizer_state" in state:
-        return False
-    history = state.get("optimizer_history")
-    chose = (config_entry(config_entry(state.get("cfg"), "checkpoint"), "no_save_optimizer_state")
-             or config_entry(state.get("args"), "no_save_optimizer_state"))
-    return bool(chose) and isinstance(history, list) and bool(history) and isinstance(
-        history[-1], dict) and "num_updates" in history[-1]
 
 
 def _optimizer_param_names(trainer: Any) -> list[str]:

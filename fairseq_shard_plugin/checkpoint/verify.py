@@ -30,6 +30,7 @@ from fairseq_shard_plugin.checkpoint.integrity import (
     corruption_message,
     damaged_zip_entries,
 )
+from fairseq_shard_plugin.checkpoint.portable import saved_without_optimizer_state
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
 from fairseq_shard_plugin.checkpoint.sharded import (
@@ -156,6 +157,10 @@ def check(path: Path) -> Verdict:
             if problem:
                 return Verdict(path, False, problem)
     updates, position = _position(state)
+    if saved_without_optimizer_state(state):  # its run's choice: it resumes all the same
+        return Verdict(path, True, f"{path}: ok ({kind}, {position}; saved without optimizer "
+                       "state (--no-save-optimizer-state): resumes with a fresh optimizer)",
+                       updates, resumable=True)
     if "last_optimizer_state" not in state:
         return Verdict(path, True, f"{path}: ok ({kind}, {position}; no optimizer state: an "
                        "export for inference, not a checkpoint to resume from)", updates)

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_WRAP
 
 from fairseq_shard_plugin.checkpoint.consolidate import export_target_problem
-from fairseq_shard_plugin.checkpoint.portable import config_entry
+from fairseq_shard_plugin.checkpoint.portable import config_entry, saved_without_optimizer_state
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
-from fairseq_shard_plugin.checkpoint.sharded import SHARDS_DIR
+from fairseq_shard_plugin.checkpoint.sharded import SHARDS_DIR, is_sharded_index
 from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
 from fairseq_shard_plugin.sharding.settings import shard_group_size
@@ -400,10 +401,13 @@ def finetune_not_loaded(checkpoint_cfg: Any) -> str | None:
 
 
 def check_a_lost_last_checkpoint(checkpoint_cfg: Any) -> None:
-    """A save dir that holds a run's checkpoints but no ``checkpoint_last.pt`` (deleted, or
-    a first save that failed): fairseq starts from scratch without a word and saves over
-    every one of them (T2 #1). Refused, naming the newest; a run that names what to start
-    from (``--restore-file``, ``--finetune-from-model``) or saves nothing goes on."""
+    """A save dir that holds a run's checkpoints but no ``checkpoint_last.pt`` (deleted, a
+    first save that failed, or ``--no-last-checkpoints``): fairseq starts from scratch
+    without a word and saves over every one of them (T2 #1). Refused, naming the newest; a
+    run that names what to start from (``--restore-file``, ``--finetune-from-model``) or
+    saves nothing goes on. Only regular files under the names this run writes (its
+    ``--checkpoint-suffix``) that hold training state count: not exports, other suffixes'
+    files or a FIFO (never opened)."""
     if (checkpoint_cfg.no_save or checkpoint_cfg.restore_file != "checkpoint_last.pt"
             or getattr(checkpoint_cfg, "finetune_from_model", None)
             or "://" in str(checkpoint_cfg.save_dir)):
@@ -414,22 +418,29 @@ def check_a_lost_last_checkpoint(checkpoint_cfg: Any) -> None:
     if not save_dir.is_dir() or os.path.lexists(last) or os.path.lexists(
             last.with_name(last.stem + "-shard0.pt")):
         return
+    names = re.compile(rf"checkpoint(\d+|_\d+_\d+|_best|\.best_[^/]+?){re.escape(suffix)}\.pt")
     updates = {}
-    for path in save_dir.glob(f"checkpoint*{suffix}.pt"):
+    for path in save_dir.iterdir():
+        if not names.fullmatch(path.name) or not path.is_file():
+            continue
         try:
-            history = read_checkpoint(path, "meta").get("optimizer_history")
-            updates[path] = int(history[-1]["num_updates"])
+            state = read_checkpoint(path, "meta")
+            if not ("last_optimizer_state" in state or is_sharded_index(state)
+                    or saved_without_optimizer_state(state)):
+                continue  # an export: nothing a resume would take
+            updates[path] = int(state["optimizer_history"][-1]["num_updates"])
         except Exception:  # not a readable training checkpoint: not one a restart loses
             continue
     if not updates:
         return
-    newest = max(updates, key=lambda path: (updates[path], path.name))
+    newest = max(updates, key=lambda path: (updates[path], "best" not in path.name, path.name))
+    why = (f"this run writes no {last.name} (--no-last-checkpoints)"
+           if checkpoint_cfg.no_last_checkpoints else f"it has no {last.name}")
     raise ShardingConfigError(
-        f"{save_dir} holds {len(updates)} training checkpoint(s) but no {last.name}, so "
-        f"fairseq would train from scratch and save over them: to resume, give "
-        f"--restore-file {newest} (the newest, update {updates[newest]}; "
-        f"fairseq-shard-verify {save_dir} checks them); to start anew, give another "
-        "--save-dir")
+        f"{save_dir} holds {len(updates)} training checkpoint(s) and {why}, so fairseq "
+        f"would train from scratch and save over them: to resume, give --restore-file "
+        f"{newest} (the newest, update {updates[newest]}; fairseq-shard-verify {save_dir} "
+        "checks them); to start anew, give another --save-dir")
 
 
 # torch releases whose FSDP2 runs a validation forward through the chunked loss with the
