@@ -814,6 +814,10 @@ def _saving_on_signal(stock_validate_and_save: Callable[..., Any]) -> Callable[.
                 cfg, trainer, task, epoch_itr, valid_subsets, end_of_epoch, *args, **kwargs)
             if trainer.saved_at_update != update or cfg.checkpoint.no_last_checkpoints:
                 _save_on_signal(cfg, trainer, epoch_itr, signum, update)
+            else:  # the epoch's own save was the signal's
+                logger.info(f"{signal.Signals(signum).name}: stopping after update {update}, "
+                            f"the end of epoch {epoch_itr.epoch}, validated and saved "
+                            f"(exit code {128 + signum}); {_how_to_resume(cfg.checkpoint)}")
             return valid_losses, True
         if signum is None:
             valid_losses, should_stop = stock_validate_and_save(

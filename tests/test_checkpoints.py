@@ -272,7 +272,9 @@ def test_a_signal_during_an_epochs_last_update_validates_the_epoch_first(
     assert valid[0]["valid_loss"] == sixteen_updates.logs["valid"][0]["valid_loss"]
     best = torch.load(tmp_path / "checkpoint_best.pt", map_location="cpu", weights_only=True)
     assert best["optimizer_history"][-1]["num_updates"] == epoch_end
-    if not last_epoch:  # the resume goes on in epoch 2 exactly
+    if not last_epoch:  # said in the log too; the resume goes on in epoch 2 exactly
+        assert (f"SIGUSR1: stopping after update {epoch_end}, the end of epoch 1, validated "
+                "and saved (exit code 138)") in output
         resumed = run_training(args[:-4], nproc=2, plugin=True)
         assert resumed.series("train_inner", "num_updates")[0] == epoch_end + 1
         losses = parse_logs(output)["train_inner"] + resumed.logs["train_inner"]

@@ -144,10 +144,10 @@ def test_minimum_loss_scale_stops_every_rank_with_that_error(corpus: Path, tmp_p
     # every rank, one line with what to do (it was a traceback a rank, T1 #3)
     errors = [line for line in run.output.splitlines()
               if line.startswith("fairseq-shard-plugin: error: ")]
-    assert errors == 2 * ["fairseq-shard-plugin: error: update 1: fp16's loss scale fell to "
-                          "--min-loss-scale 1e+12, every scale overflowing: the training "
-                          "diverged; resume from an earlier checkpoint (fairseq-shard-verify "
-                          "--newest SAVE_DIR names the newest) with a lower --lr or a "
+    assert errors == 2 * ["fairseq-shard-plugin: error: update 1: fp16's loss scale fell from "
+                          "--fp16-init-scale 1.09951e+12 to --min-loss-scale 1e+12, every "
+                          "scale overflowing (diverged, or the two are close together); no "
+                          "checkpoint was saved yet: start again with a lower --lr or a "
                           "--clip-norm, or train with --bf16, whose range needs no loss "
                           "scale"], run.output[-3000:]
     assert "Traceback" not in run.output and "StopIteration" not in run.output

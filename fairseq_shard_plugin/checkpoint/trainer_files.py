@@ -183,8 +183,10 @@ def trainer_state_loader(
         if fresh_optimizer and getattr(trainer, "is_data_parallel_master", False):
             logger.warning(
                 f"{filename}: its run saved no optimizer state (--no-save-optimizer-state): "
-                "continuing at its update with its weights, data position and learning-rate "
-                "schedule, and a fresh optimizer (Adam's moments start again from zero)")
+                f"continuing at its update ({state['optimizer_history'][-1]['num_updates']}; "
+                "fairseq's line below says 0) with its weights, data position and "
+                "learning-rate schedule, and a fresh optimizer (Adam's moments start again "
+                "from zero)")
         skip_optimizer = reset_optimizer or fresh_optimizer
         if not skip_optimizer and "last_optimizer_state" not in state:
             raise CheckpointLoadError(

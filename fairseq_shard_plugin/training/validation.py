@@ -392,12 +392,26 @@ def finetune_not_loaded(checkpoint_cfg: Any) -> str | None:
     except Exception:  # the resume itself reports a file it cannot read
         return None
     started_from = config_entry(config_entry(cfg, "checkpoint"), "finetune_from_model")
-    if started_from and os.path.realpath(str(started_from)) == os.path.realpath(finetune):
+    if started_from and _same_file(str(started_from), finetune):
         return None  # this fine-tune's own checkpoint: a resume, as fairseq means it
     return (f"--finetune-from-model {finetune} is not loaded: {last} exists and fairseq "
             f"resumes it instead (its optimizer state, schedule and data position), as it "
             f"does for a preempted fine-tune; it was not written by a fine-tune from that "
             f"file, so give a new --save-dir to start the fine-tune")
+
+
+def _same_file(stored: str, given: str) -> bool:
+    """Whether a path stored by an earlier launch names the file ``given`` names now: the
+    same resolved path, or (a relative path stored from another working directory, a
+    requeue's ``cd``) the same last components."""
+    if os.path.realpath(stored) == os.path.realpath(given):
+        return True
+    if os.path.isabs(stored) and os.path.isabs(given):
+        return False
+    stored_parts = Path(os.path.normpath(stored)).parts
+    given_parts = Path(os.path.normpath(given)).parts
+    tail = min(len(stored_parts), len(given_parts))
+    return stored_parts[-tail:] == given_parts[-tail:]
 
 
 def check_a_lost_last_checkpoint(checkpoint_cfg: Any) -> None:
