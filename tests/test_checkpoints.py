@@ -1222,10 +1222,41 @@ print("alive at the end", flush=True)
     if agreed:
         assert done.returncode == 0 and "alive at the end" in done.stdout
     else:
-        assert done.returncode == -signal.SIGTERM and "alive at the end" not in done.stdout
+        assert done.returncode == 128 + signal.SIGTERM and "alive at the end" not in done.stdout
         assert ("fairseq-shard-plugin: SIGTERM again, 0.5 s or more after the first, before the "
                 "ranks agreed to stop (a peer does not answer?): ending without saving"
                 ) in done.stderr
+
+
+def test_a_later_signal_ends_a_rank_blocked_inside_one_long_call() -> None:
+    """A rank waiting inside a collective runs no Python signal handler until the call
+    returns (gloo's timeout, 30 minutes, for a hung peer): the second signal was only
+    handled once the peer came back (T4 #1). One long torch call stands for the wait."""
+    script = """
+import os, signal, threading, time
+import torch
+from fairseq_shard_plugin.training import signal_stop
+signal_stop.PATIENCE_S = 0.5
+torch.set_num_threads(1)
+signal_stop.install((signal.SIGTERM,))
+
+def send():
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.8)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+matrix = torch.randn(3000, 3000, dtype=torch.float64)
+threading.Thread(target=send, daemon=True).start()
+started = time.monotonic()
+torch.linalg.svd(matrix)  # seconds in one C call
+print(f"the call returned after {time.monotonic() - started:.1f} s", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert done.returncode == 128 + signal.SIGTERM, (done.stdout, done.stderr[-2000:])
+    assert "the call returned" not in done.stdout
+    assert "SIGTERM again, 0.5 s or more after the first" in done.stderr
 
 
 EXPORT_FAILS_HELPER = REPO / "tests" / "helpers" / "export_fails.py"

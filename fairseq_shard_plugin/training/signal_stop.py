@@ -14,8 +14,9 @@ nothing (under ``srun torchrun`` a worker can get the scheduler's signal and the
 forwards), nor does one once the ranks have agreed to stop (the save runs; the launchers'
 own SIGKILL deadlines, torchrun's ``--shutdown-timeout`` and Slurm's KillWait, bound it). A
 signal that comes later while the ranks have not agreed, because this rank waits in a
-collective for a peer that hangs, ends the process as the signal does without a handler
-(an operator's second ``kill`` used to be ignored until gloo's 30-minute timeout, T2 #3).
+collective for a peer that hangs, ends the process at once with 128 + its number (an
+operator's second ``kill`` used to be ignored until gloo's 30-minute timeout, T2 #3): a
+thread sees it through the signal module's wakeup fd, as Python runs no handler then.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from fairseq_shard_plugin.errors import tell_the_launcher
 from fairseq_shard_plugin.sharding.options import DEFAULT_SIGNALS
 
 logger = logging.getLogger(__name__)
@@ -74,17 +76,50 @@ class SignalStop:
             return
         for signum in self.signals:
             signal.signal(signum, self._record)
+        self._watch_while_blocked()
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
-            self.received, self._first_at = signum, time.monotonic()
+            self.received = signum
+        self._seen(signum)
+
+    def _seen(self, signum: int) -> None:
+        """Note a signal; end the process on a later one before the ranks agreed."""
+        now = time.monotonic()
+        if not self._first_at:
+            self._first_at = now
+        elif self.stopped_by is None and now - self._first_at >= PATIENCE_S:
+            line = (f"fairseq-shard-plugin: {signal.Signals(signum).name} again, "
+                    f"{PATIENCE_S:g} s or more after the first, before the ranks agreed to "
+                    "stop (a peer does not answer?): ending without saving")
+            os.write(2, f"{line}\n".encode())
+            tell_the_launcher(line)
+            os._exit(128 + signum)
+
+    def _watch_while_blocked(self) -> None:
+        """Python runs a signal's handler only between bytecodes of the main thread, never
+        while it waits inside a collective for a peer that hangs (T4 #1); the C handler
+        writes each signal's number to the wakeup fd at once, where a thread reads it.
+        Left out where something else owns the wakeup fd."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        try:
+            previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread of the main interpreter
+            os.close(read_end), os.close(write_end)
             return
-        if self.stopped_by is None and time.monotonic() - self._first_at >= PATIENCE_S:
-            os.write(2, f"fairseq-shard-plugin: {signal.Signals(signum).name} again, "
-                     f"{PATIENCE_S:g} s or more after the first, before the ranks agreed "
-                     "to stop (a peer does not answer?): ending without saving\n".encode())
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if previous != -1:  # someone else's: theirs stays
+            signal.set_wakeup_fd(previous)
+            os.close(read_end), os.close(write_end)
+            return
+
+        def watch() -> None:
+            while True:
+                for signum in os.read(read_end, 64):
+                    if signum in self.signals:
+                        self._seen(signum)
+
+        threading.Thread(target=watch, name="save-on-signal watchdog", daemon=True).start()
 
     def agreed(self, device: torch.device) -> int | None:
         """The signal some rank received (the highest number if several), or None.
