@@ -793,8 +793,9 @@ def test_consolidate_names_a_destination_it_cannot_write(
     with pytest.raises(SystemExit) as stopped:
         cli_consolidate.main([str(save_dir), str(inside_a_file)])
     message = str(stopped.value.code)
-    assert message == ("fairseq-shard-consolidate: error: could not create the directory "
-                       f"{save_dir / 'checkpoint_last.pt'}: File exists (EEXIST)")
+    assert message == (f"fairseq-shard-consolidate: error: could not write {inside_a_file}: "
+                       f"{save_dir / 'checkpoint_last.pt'} is a file, not a directory; give "
+                       "another path or move that file")
 
 
 def test_consolidate_names_a_pickled_type_it_will_not_load(tmp_path: Path) -> None:

@@ -462,6 +462,11 @@ def export_checkpoints(
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
+        in_the_way = next((folder for folder in (destination.parent, *destination.parent.parents)
+                           if folder.exists() and not folder.is_dir()), None)
+        if in_the_way is not None:  # "File exists" said what, not where or why
+            raise WriteError(f"could not write {destination}: {in_the_way} is a file, not a "
+                             "directory; give another path or move that file") from error
         raise WriteError(f"could not create the directory {destination.parent}: "
                          f"{describe_os_error(error)}") from error
     try:
