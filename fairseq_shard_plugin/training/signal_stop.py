@@ -100,7 +100,11 @@ class SignalStop:
         """Python runs a signal's handler only between bytecodes of the main thread, never
         while it waits inside a collective for a peer that hangs (T4 #1); the C handler
         writes each signal's number to the wakeup fd at once, where a thread reads it.
-        Left out where something else owns the wakeup fd."""
+        Left out where something else owns the wakeup fd; one thread a process, which
+        serves whichever trainer's stop is current (:func:`install`)."""
+        global _watching
+        if _watching:
+            return
         read_end, write_end = os.pipe()
         os.set_blocking(write_end, False)
         try:
@@ -116,9 +120,11 @@ class SignalStop:
         def watch() -> None:
             while True:
                 for signum in os.read(read_end, 64):
-                    if signum in self.signals:
-                        self._seen(signum)
+                    current = _current
+                    if current is not None and signum in current.signals:
+                        current._seen(signum)
 
+        _watching = True
         threading.Thread(target=watch, name="save-on-signal watchdog", daemon=True).start()
 
     def agreed(self, device: torch.device) -> int | None:
@@ -136,6 +142,7 @@ class SignalStop:
 
 
 _current: SignalStop | None = None
+_watching = False  # the wakeup-fd thread runs (one a process)
 
 
 def install(signals: tuple[signal.Signals, ...]) -> SignalStop:
