@@ -68,5 +68,8 @@ def exit_with(line: str, status: int = 1, print_it: bool = True) -> NoReturn:
     comes from rank 0) and in torchrun's error file (:func:`tell_the_launcher`)."""
     tell_the_launcher(line)
     if print_it:
-        print(line, file=sys.stderr, flush=True)
+        try:
+            print(line, file=sys.stderr, flush=True)
+        except OSError:  # stderr on a full disk: the exit status still ends the run
+            pass
     sys.exit(status)

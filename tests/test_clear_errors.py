@@ -25,6 +25,8 @@ from fairseq_shard_plugin.training.validation import (
 )
 from launching.harness import (
     PLUGIN_DIR,
+    REPO,
+    rank_environment,
     run_command,
     run_concurrently,
     tool,
@@ -484,3 +486,32 @@ def test_a_restore_file_named_as_in_the_save_dir_is_pointed_there(corpus: Path,
             f"{save_dir / 'checkpoint_2_20.pt'} (--restore-file is read from the working "
             "directory, not the save dir)")):
         check_sharded_config(cfg)
+
+
+def test_an_error_line_that_cannot_be_printed_still_ends_the_run_with_status_1(
+    tmp_path: Path
+) -> None:
+    """stderr on a full disk: printing the line failed (EFBIG), and the OSError, not the
+    exit status, left the run, through fairseq and torch's rank-prefixing excepthook
+    (which raised too); torchrun's error file still gets the line."""
+    error_file = tmp_path / "error.json"
+    script = """
+import resource, signal, sys
+from fairseq_shard_plugin.errors import exit_with
+print("x" * 5000, file=sys.stderr, flush=True)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    exit_with("fairseq-shard-plugin: error: the disk is full")
+except SystemExit as exiting:
+    print("the exit status was raised", exiting.code, flush=True)
+    raise
+"""
+    with open(tmp_path / "stderr", "wb") as stderr:
+        done = subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              stderr=stderr, text=True, timeout=120, cwd=REPO,
+                              env={**rank_environment(), "TORCHELASTIC_ERROR_FILE":
+                                   str(error_file)})
+    assert done.returncode == 1 and "the exit status was raised 1" in done.stdout, done
+    message = json.loads(error_file.read_text())["message"]["message"]
+    assert message == "fairseq-shard-plugin: error: the disk is full"
