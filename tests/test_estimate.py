@@ -316,30 +316,25 @@ def test_layers_per_unit_adds_at_most_what_the_estimate_adds(
 
 
 @pytest.mark.e2e
-@pytest.mark.xfail(strict=False, reason="flaky: the watcher reads VmHWM when it sees the "
-                   "plan line, and a late poll includes the first step (docs/dev/notes.md)")
 def test_layers_waiting_to_be_sharded_together_are_counted_in_the_build(
     corpus: Path, tmp_path: Path
 ) -> None:
     """--layers-per-unit 6 on 6+6 layers: each stack's layers stay unsharded in fp32 until
-    the sixth is built. The build's peak RSS (VmHWM when the trainer logs its plan) grows
-    by what the estimate adds, 5 decoder layers (an upper bound: ~80 MiB estimated, 62-72
-    measured here)."""
-    from fairseq_shard_plugin.memory.meters import process_memory
-
+    the sixth is built. The build's peak RSS (VmHWM, which the trainer's plan line reports
+    before any step) grows by what the estimate adds, 5 decoder layers (an upper bound: ~80
+    MiB estimated, 62-72 measured here)."""
     model = ["--arch", "transformer", "--share-all-embeddings", "--encoder-layers", "6",
              "--decoder-layers", "6", "--encoder-embed-dim", "512", "--decoder-embed-dim",
              "512", "--encoder-ffn-embed-dim", "2048", "--decoder-ffn-embed-dim", "2048"]
     built: dict[int, float] = {}
     for per_unit in (1, 6):
-        def watch(ranks: list, outputs: list[str], per_unit: int = per_unit) -> None:
-            if (per_unit not in built and "sharded over" in outputs[0]
-                    and ranks[0].poll() is None):
-                built[per_unit] = process_memory(["VmHWM"], ranks[0].pid)["VmHWM"] / GIB
-        run_training(training_args(corpus, tmp_path / str(per_unit), 1, max_tokens=256)
-                     + model + ["--task", "sharded_translation", "--no-save",
-                                "--layers-per-unit", str(per_unit)],
-                     nproc=2, plugin=True, watch=watch)
+        output = run_training(
+            training_args(corpus, tmp_path / str(per_unit), 1, max_tokens=256) + model
+            + ["--task", "sharded_translation", "--no-save", "--layers-per-unit", str(per_unit)],
+            nproc=2, plugin=True).output
+        peak = re.search(r"sharded over .*; host peak RSS of the build ([\d.]+) GiB", output)
+        assert peak, output[-3000:]
+        built[per_unit] = float(peak.group(1))
     estimated = [run([*model, "--vocab", "608", "--world-size", "2", "--max-tokens", "256",
                       "--cpu", "--layers-per-unit", str(per_unit)]
                      )["host"]["cases"]["model construction"]["per_rank_gib"]

@@ -45,7 +45,12 @@ from fairseq_shard_plugin.checkpoint.trainer_files import (
     verify_full_checkpoint,
 )
 from fairseq_shard_plugin.errors import ShardPluginError
-from fairseq_shard_plugin.memory.meters import StepMemoryProbe, storage_bytes, watch_offloaded_state
+from fairseq_shard_plugin.memory.meters import (
+    StepMemoryProbe,
+    peak_rss_bytes,
+    storage_bytes,
+    watch_offloaded_state,
+)
 from fairseq_shard_plugin.memory.metrics import log_step_memory
 from fairseq_shard_plugin.memory.run_estimate import (
     describe_run,
@@ -193,12 +198,13 @@ class ShardedTrainer(Trainer):
                                                           sharded.plan.root)])
             if self.offload and self.settings.host_step_overlap
             and self.settings.engine == "fsdp2" else None)
-        logger.info("sharded over %s with %s: %s; compute in %s, %s",
+        logger.info("sharded over %s with %s: %s; compute in %s, %s; host peak RSS of the "
+                    "build %.3f GiB (VmHWM)",
                     shard_groups(dist.get_world_size(), self.shard_group_size),
                     self.settings.engine, sharded.description,
                     self.compute_dtype or torch.float32,
                     "16-bit parameter shards" if self.settings.sixteen_bit_parameters
-                    else "fp32 master shards")
+                    else "fp32 master shards", peak_rss_bytes() / 2**30)
         if self.offload and use_cuda:
             # torchrun sets OMP_NUM_THREADS=1; the offloaded optimizer step runs on the host
             threads = host_threads_per_rank()
