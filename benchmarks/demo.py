@@ -138,11 +138,12 @@ def drift_note(plugin: dict, stock: dict) -> str:
     """How far the plugin's curves are from stock fairseq's, first updates and overall."""
     train = _relative(plugin["losses"], stock["losses"])
     valid = _relative(plugin["valid_losses"], stock["valid_losses"])
-    first = max(train[:50])  # all of them in a short demo
     late = next((i + 1 for i, d in enumerate(train) if d > 1e-3), None)
+    span = (f"{max(train[:50]):.1e} over the first 50 updates, {max(train):.1e} over all "
+            f"{len(train)}" if len(train) > 50 else
+            f"{max(train):.1e} over all {len(train)} updates")
     return (f"Training losses, plugin vs stock, per update: largest relative difference "
-            f"{first:.1e} over the first 50 updates, {max(train):.1e} over all "
-            f"{len(train)}" + (f" (above 1e-3 from update {late})" if late else "")
+            f"{span}" + (f" (above 1e-3 from update {late})" if late else "")
             + f"; validation losses: largest {max(valid):.1e}. Same "
             "data, seed and batches: the difference is float rounding (FSDP2 reduces "
             "gradients per unit, DDP per bucket), amplified by training.")

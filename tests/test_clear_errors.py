@@ -462,9 +462,9 @@ def test_a_wrong_data_path_is_named_with_the_one_to_give(corpus: Path, tmp_path:
     finished = run_concurrently({"out": train(corpus.parent, *tokens),
                                  "nowhere": train(tmp_path / "x", *tokens),
                                  "no batch size": train(corpus)})
-    for name, said in (("out", f"DATA {corpus.parent} holds the binarised data in {corpus}: "
-                               f"pass {corpus}"),
-                       ("nowhere", f"DATA {tmp_path / 'x'}: no such directory"),
+    for name, said in (("out", f"the data directory {corpus.parent} holds the binarised data "
+                               f"in {corpus}: pass {corpus}"),
+                       ("nowhere", f"the data directory {tmp_path / 'x'}: no such directory"),
                        ("no batch size", "give --max-tokens N")):
         done = finished[name]
         assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -371,6 +371,8 @@ def cli(
                  "--world-size", "4", "--criterion", "chunked_label_smoothed_cross_entropy",
                  "--json"],
         "bad world size": [str(SCRIPT), *TINY, "--world-size", "0"],
+        "no data": [str(SCRIPT), "--", str(tmp_path_factory.mktemp("none") / "DATA"),
+                    *TINY_TRAINING, "--task", "sharded_translation", "--max-tokens", "512"],
         "adafactor config": [str(SCRIPT), "--config", str(adafactor)],
     })
 
@@ -461,6 +463,20 @@ def test_bad_input_is_one_line_naming_the_flag(
     assert completed.returncode != 0
     assert completed.stderr.strip().splitlines()[-1] == (
         "fairseq-shard-estimate: error: --world-size must be at least 1, got 0")
+
+
+@pytest.mark.e2e
+def test_a_training_command_on_missing_data_is_refused_in_the_tasks_own_words(
+    cli: dict[str, subprocess.CompletedProcess]
+) -> None:
+    """The task's one line, once: it began "DATA DATA: no such directory" with the doc's
+    placeholder, behind the exception's class name."""
+    completed = cli["no data"]
+    last = completed.stderr.strip().splitlines()[-1]
+    assert completed.returncode != 0 and "DataPathError" not in last, completed.stderr[-2000:]
+    assert last.startswith("fairseq-shard-estimate: error: the training command after --: "
+                           "its task could not be set up (the data directory "), last
+    assert "DATA: no such directory: give the directory fairseq-preprocess wrote" in last
 
 
 @pytest.mark.e2e

@@ -21,6 +21,7 @@ import warnings
 from typing import Any
 
 from fairseq_shard_plugin import names_this_plugin
+from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.memory.estimate import EstimateError, build_without_memory, parser
 from fairseq_shard_plugin.memory.model import ModelShape
 
@@ -109,8 +110,10 @@ def flags_from_training_command(estimator_flags: list[str], train_argv: list[str
     try:
         task = tasks.setup_task(cfg.task)
     except (OSError, ValueError, KeyError) as error:
+        cause = (error if isinstance(error, ShardPluginError)  # its line says it all
+                 else f"{type(error).__name__}: {error}")
         raise EstimateError(f"the training command after --: its task could not be set up "
-                            f"({type(error).__name__}: {error})") from None
+                            f"({cause})") from None
     arch = getattr(cfg.model, "arch", None) or getattr(cfg.model, "_name", None)
     model = build_without_memory(lambda: task.build_model(cfg.model), str(arch))
     world_size, others = _take_world_size(estimator_flags)

@@ -40,16 +40,17 @@ def check_data_directory(data: str) -> None:
     if "://" in first:  # remote storage: fairseq's PathManager reads it
         return
     if not os.path.isdir(first):
-        raise DataPathError(f"DATA {first}: no such directory: give the directory "
-                            "fairseq-preprocess wrote (fairseq-shard-synthetic-data OUT "
-                            "writes it to OUT/bin)")
+        raise DataPathError(f"the data directory {first}: no such directory: give the "
+                            "directory fairseq-preprocess wrote (fairseq-shard-synthetic-data "
+                            "OUT writes it to OUT/bin)")
     if glob.glob(os.path.join(glob.escape(first), "dict.*.txt")):
         return
     inner = os.path.join(first, "bin")
     if glob.glob(os.path.join(glob.escape(inner), "dict.*.txt")):
-        raise DataPathError(f"DATA {first} holds the binarised data in {inner}: pass {inner}")
-    raise DataPathError(f"DATA {first} holds no dict.*.txt: give the directory "
-                        "fairseq-preprocess wrote (its --destdir)")
+        raise DataPathError(f"the data directory {first} holds the binarised data in "
+                            f"{inner}: pass {inner}")
+    raise DataPathError(f"the data directory {first} holds no dict.*.txt: give the "
+                        "directory fairseq-preprocess wrote (its --destdir)")
 
 
 def one_of_several_pairs(cfg: Any) -> str | None:
