@@ -5,6 +5,7 @@ export is not a checkpoint to resume from, so ``--newest`` never picks one."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import pickle
 import re
@@ -141,7 +142,7 @@ def test_verify_calls_an_export_intact_but_not_resumable_and_newest_skips_it(
     export = consolidate.export_consolidated(save_dir, save_dir / "zz_model.pt")
     verdict = verify.check(export)
     assert verdict.intact and not verdict.resumable
-    assert verdict.line == (f"{export}: ok (full, update 4, epoch 1; no optimizer state: an "
+    assert verdict.line == (f"{export}: ok (full, update 4; no optimizer state: an "
                             "export for inference, not a checkpoint to resume from)")
     assert verify.check(save_dir / "checkpoint_1_4.pt").resumable
     cli_verify.main(["--newest", str(save_dir)])
@@ -150,6 +151,32 @@ def test_verify_calls_an_export_intact_but_not_resumable_and_newest_skips_it(
         (save_dir / name).unlink()
     with pytest.raises(SystemExit, match="no intact checkpoint with optimizer state among 1"):
         cli_verify.main(["--newest", str(save_dir)])
+
+
+def test_an_export_carries_weights_not_its_sources_place_in_the_training(
+    tmp_path: Path
+) -> None:
+    """Stock ``--restore-file export.pt`` restarted at update 0 yet skipped the batches its
+    source had trained on in that epoch, and kept its best score (T2 #2, session 25)."""
+    from fairseq import checkpoint_utils
+
+    source = _training_checkpoint(tmp_path / "checkpoint_3_40.pt", 40)
+    state = torch.load(source, weights_only=True)
+    state["extra_state"] = {"train_iterator": {"version": 2, "epoch": 3, "shuffle": True,
+                                               "iterations_in_epoch": 10},
+                            "best": 4.2, "val_loss": 4.2, "previous_training_time": 99.0,
+                            "metrics": {}, "a task's own entry": [1]}
+    state["optimizer_history"] = [{"criterion_name": "CrossEntropyCriterion",
+                                   "optimizer_name": "FairseqAdam", "num_updates": 40,
+                                   "lr_scheduler_state": {"best": 4.2}}]
+    state["cfg"] = {"model": {"_name": "transformer"}, "task": {"_name": "translation"}}
+    torch.save(state, source)
+    export = consolidate.export_consolidated(source, tmp_path / "model.pt")
+    loaded = checkpoint_utils.load_checkpoint_to_cpu(str(export))  # as stock reads it
+    assert loaded["extra_state"] == {
+        "train_iterator": {"version": 2, "epoch": 1, "iterations_in_epoch": 0},
+        "a task's own entry": [1]}
+    assert loaded["optimizer_history"][-1]["num_updates"] == 40  # which update's weights
 
 
 def test_a_resume_from_a_file_without_optimizer_state_is_refused_unless_reset(
@@ -302,3 +329,45 @@ def test_an_export_target_that_is_a_directory_or_reached_through_a_link_is_check
                        "training's own checkpoint names"):
         consolidate.export_consolidated(save_dir / "checkpoint_last.pt", target)
     assert not (save_dir / "checkpoint78.pt").exists()
+
+
+@pytest.mark.parametrize("config", ["cfg", "legacy args"])
+def test_a_layer_spec_stock_fairseq_would_run_is_neither_exported_nor_called_ok(
+    tmp_path: Path, config: str
+) -> None:
+    """fconv's layer specs reach fairseq's ``eval``: a crafted one was carried into an export,
+    whose plain config stock fairseq-generate loads and runs (T2 #1, session 25); stock
+    refuses the legacy Namespace form by itself, so the export laundered it."""
+    crafted = "[(64, 3)] * (1 + 0 * __import__('os').system('touch marker'))"
+    checkpoints = {}
+    for name, spec in (("crafted", crafted), ("plain", "[(64, 3)] * 2 + [(64, 1)]")):
+        state = torch.load(_training_checkpoint(tmp_path / f"{name}.pt", 4), weights_only=True)
+        model = {"_name": "fconv", "arch": "fconv", "encoder_layers": spec,
+                 "decoder_layers": "[(64, 3)] * 2", "decoder_attention": "True"}
+        del state["last_optimizer_state"]
+        if config == "cfg":
+            state["cfg"] = {"model": model}
+        else:
+            del state["cfg"]
+            state["args"] = argparse.Namespace(task="translation", **model)
+        torch.save(state, tmp_path / f"{name}.pt")
+        checkpoints[name] = tmp_path / f"{name}.pt"
+    said = ("the model config's layer spec \"[(64, 3)] * (1 + 0 * __import__('os')"
+            ".system('touch marker'))\" holds call syntax: only literals joined by + and * "
+            "are evaluated (a crafted checkpoint?); stock fairseq would run it as code when "
+            "it builds the model")
+    verdict = verify.check(checkpoints["crafted"])
+    assert not verdict.intact
+    assert verdict.line == f"{checkpoints['crafted']}: not a usable fairseq checkpoint ({said})"
+    with pytest.raises(consolidate.ConsolidateError) as refused:
+        consolidate.export_consolidated(checkpoints["crafted"], tmp_path / "model.pt")
+    assert str(refused.value) == f"{checkpoints['crafted']}: {said}; not exported"
+    with pytest.raises(consolidate.ConsolidateError):  # the average takes the first's config
+        consolidate.export_checkpoints([checkpoints["crafted"], checkpoints["plain"]],
+                                       tmp_path / "model.pt")
+    assert not (tmp_path / "model.pt").exists()
+    assert verify.check(checkpoints["plain"]).intact
+    exported = torch.load(consolidate.export_consolidated(checkpoints["plain"],
+                                                          tmp_path / "model.pt"),
+                          weights_only=True)
+    assert exported["cfg"]["model"]["encoder_layers"] == "[(64, 3)] * 2 + [(64, 1)]"

@@ -305,6 +305,12 @@ def test_a_run_that_saved_no_optimizer_state_continues_at_its_update(
 
     verdict = verify.check(tmp_path / "checkpoint_last.pt")
     assert verdict.resumable and "resumes with a fresh optimizer" in verdict.line
+    # its export is one for inference (it was taken for such a checkpoint: the config's flag)
+    from fairseq_shard_plugin.checkpoint.consolidate import export_consolidated
+
+    export = verify.check(export_consolidated(tmp_path / "checkpoint_last.pt",
+                                              tmp_path / "export" / "model.pt"))
+    assert export.intact and not export.resumable, export.line
     assert summary["train_num_updates"] == full["train_num_updates"]  # not restarted at 0
     assert summary["train_lr"] == full["train_lr"]  # the schedule went on from its update
     assert 0 < float(summary["train_loss"]) < 20

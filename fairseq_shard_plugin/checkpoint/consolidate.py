@@ -48,6 +48,7 @@ from fairseq_shard_plugin.checkpoint.integrity import (
     corruption_message,
     damaged_zip_entries,
 )
+from fairseq_shard_plugin.checkpoint.literal_specs import unsafe_spec
 from fairseq_shard_plugin.checkpoint.portable import (
     languages_numbering_the_tokens,
     portable_state,
@@ -456,6 +457,9 @@ def export_checkpoints(
             raise ConsolidateError(str(error)) from None
         exported = dict(exported, model=model)
     exported = portable_state(exported)
+    unsafe = unsafe_spec(exported)
+    if unsafe:  # stock fairseq loads plain configs: the export would carry the code to it
+        raise ConsolidateError(f"{paths[0]}: {unsafe}; not exported")
     for note in stock_fairseq_notes(exported):
         logger.warning(note)
     destination = Path(destination)

@@ -6,7 +6,8 @@ config, so loading a stranger's fconv checkpoint in stock fairseq runs whatever 
 says. :func:`literal_spec` accepts what such specs are made of, literals (numbers, strings,
 True/False/None, tuples, lists, dicts) joined by ``+`` and ``*``, and refuses everything
 else, names and calls included, with one line naming the text. Repetition is bounded, so a
-spec cannot ask for unbounded memory either.
+spec cannot ask for unbounded memory either. :func:`unsafe_spec` finds such a spec in a
+checkpoint, so that no export or verdict passes one on to stock fairseq.
 """
 
 from __future__ import annotations
@@ -71,3 +72,33 @@ def literal_spec(text: Any, *unused: Any) -> Any:
     except SyntaxError as error:
         raise _refused(text, f"is not valid Python ({error.msg})") from None
     return _value(tree.body, text)
+
+
+# the model config fields fairseq's models pass to the builtin ``eval`` (fconv, fconv_lm,
+# fconv_self_att, lightconv_lm, transformer_lm, multires_hubert, wav2vec, s2t_wav_transformer)
+EVALUATED_FIELDS = ("encoder_layers", "decoder_layers", "encoder_attention",
+                    "decoder_attention", "self_attention", "project_input", "gated_attention",
+                    "downsample", "pretrained", "character_filters", "conv_feature_layers",
+                    "conv_aggregator_layers", "override_encoder_layers")
+
+
+def _model_configs(state: dict[str, Any]) -> list[Any]:
+    """The model configs a checkpoint holds: ``cfg["model"]`` and the legacy ``args``."""
+    cfg = state.get("cfg")
+    model = cfg.get("model") if isinstance(cfg, dict) else getattr(cfg, "model", None)
+    return [section for section in (model, state.get("args")) if section is not None]
+
+
+def unsafe_spec(state: dict[str, Any]) -> str | None:
+    """Why the checkpoint ``state`` must not reach stock fairseq: the first layer spec of
+    its model config that :func:`literal_spec` refuses (stock fairseq would ``eval`` it
+    when it builds the model), or None."""
+    for section in _model_configs(state):
+        for field in EVALUATED_FIELDS:
+            text = (section.get(field) if isinstance(section, dict)
+                    else getattr(section, field, None))
+            try:
+                literal_spec(text)
+            except UnsafeSpecError as error:
+                return f"{error}; stock fairseq would run it as code when it builds the model"
+    return None

@@ -254,6 +254,10 @@ def with_model_namespace(state: Any) -> Any:
     return state
 
 
+# where a training stood, in fairseq's extra_state: not carried into an export
+_TRAINING_POSITION = ("metrics", "train_iterator", "best", "val_loss", "previous_training_time")
+
+
 def portable_state(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` (an inference checkpoint's, tensors untouched) as stock fairseq reads it."""
     state = languages_as_lists(dict(state))
@@ -277,10 +281,17 @@ def portable_state(state: dict[str, Any]) -> dict[str, Any]:
                                     "_name", "arch", "task", "criterion")
         if isinstance(cfg.get("common"), dict):
             cfg["common"] = dict(cfg["common"], user_dir=None)
+        if isinstance(cfg.get("checkpoint"), dict):  # an export, not a training checkpoint
+            # saved without optimizer state (saved_without_optimizer_state)
+            cfg["checkpoint"] = dict(cfg["checkpoint"], no_save_optimizer_state=False)
         state["cfg"] = cfg
     extra = state.get("extra_state")
-    if isinstance(extra, dict):
-        state["extra_state"] = plain({k: v for k, v in extra.items() if k != "metrics"})
+    if isinstance(extra, dict):  # weights, not a place in a training (T2 #2, session 25):
+        # stock --restore-file of an export restarted at update 0 yet skipped the batches
+        # its source had trained on in that epoch, and carried its best score over
+        state["extra_state"] = plain({
+            **{k: v for k, v in extra.items() if k not in _TRAINING_POSITION},
+            "train_iterator": {"version": 2, "epoch": 1, "iterations_in_epoch": 0}})
     for key in ("optimizer_history", "task_state"):
         if key in state:
             state[key] = plain(state[key])

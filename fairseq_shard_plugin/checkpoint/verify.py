@@ -30,6 +30,7 @@ from fairseq_shard_plugin.checkpoint.integrity import (
     corruption_message,
     damaged_zip_entries,
 )
+from fairseq_shard_plugin.checkpoint.literal_specs import unsafe_spec
 from fairseq_shard_plugin.checkpoint.portable import saved_without_optimizer_state
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.safe_loading import allow_fairseq_checkpoint_types
@@ -95,10 +96,13 @@ def _misshapen_field(state: dict[str, Any]) -> str | None:
 
 def _position(state: dict[str, Any]) -> tuple[int, str]:
     """The update count and ``update N, resumes in epoch E`` as fairseq stored them (``?``
-    if absent; the epoch is its data iterator's, so ``checkpoint1.pt`` resumes in epoch 2);
-    the fields must have passed :func:`_misshapen_field`."""
+    if absent; the epoch is its data iterator's, so ``checkpoint1.pt`` resumes in epoch 2;
+    an export's is the start, not its source's: left out); the fields must have passed
+    :func:`_misshapen_field`."""
     updates, epoch = _field(state, _UPDATES), _field(state, _EPOCH)
     shown = ["?" if value is None else value for value in (updates, epoch)]
+    if "last_optimizer_state" not in state and not saved_without_optimizer_state(state):
+        return -1 if updates is None else updates, f"update {shown[0]}"
     where = "resumes in epoch" if "last_optimizer_state" in state else "epoch"
     return -1 if updates is None else updates, f"update {shown[0]}, {where} {shown[1]}"
 
@@ -135,6 +139,9 @@ def check(path: Path) -> Verdict:
     misshapen = _misshapen_field(state)
     if misshapen:
         return Verdict(path, False, f"{path}: not a usable fairseq checkpoint ({misshapen})")
+    unsafe = unsafe_spec(state)
+    if unsafe:
+        return Verdict(path, False, f"{path}: not a usable fairseq checkpoint ({unsafe})")
     if is_sharded_index(state):
         try:
             read_shard_metadata(path, state)
