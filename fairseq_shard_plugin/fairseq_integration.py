@@ -3,10 +3,10 @@
 Loading the user dir calls :func:`install` (through the package's ``activate``). Each hook
 below says why fairseq's public extension points (registries, dataclass configs) cannot do
 the job. Runs that do not use ``--ddp-backend fully_sharded`` take fairseq's own code paths
-unchanged. The plugin reaches into fairseq in two other ways, both in
-:mod:`.training.trainer`: ``ShardedTrainer`` subclasses fairseq's ``Trainer`` and overrides
-two of its private methods, and sets a few of fairseq's config values while it builds
-(docs/architecture.md lists them).
+unchanged. The plugin reaches into fairseq in two other ways, listed in
+docs/architecture.md ("How the plugin reaches into fairseq"): ``ShardedTrainer``
+(:mod:`.training.trainer`) subclasses fairseq's ``Trainer`` and overrides two of its
+private methods, and a few modules set fairseq config values at run time.
 
 Hooks, in ``fairseq_cli.train`` unless named otherwise:
 

@@ -549,6 +549,11 @@ static void *run_work(void *argument) {
     return NULL;
 }
 
+/* What run_split returns: 0, or why it failed (sharded_adam.py words each). */
+#define STEP_OK 0
+#define STEP_JOIN_FAILED 1
+#define STEP_NO_MEMORY 2
+
 /* Splits the elements of all tensors evenly over up to `threads` threads. */
 static int run_split(const AdamTensor *tensors, int count, const AdamGroup *group,
                      float *largest, int threads) {
@@ -566,7 +571,7 @@ static int run_split(const AdamTensor *tensors, int count, const AdamGroup *grou
         threads = 1;
     uint32_t *partial = largest ? calloc((size_t)threads * count * 2, sizeof *partial) : NULL;
     if (largest && !partial)
-        return 1;
+        return STEP_NO_MEMORY;
     for (index = 0; index < threads; index++) {
         works[index] = (Work){tensors, count, group, total * index / threads,
                               total * (index + 1) / threads,
@@ -593,10 +598,10 @@ static int run_split(const AdamTensor *tensors, int count, const AdamGroup *grou
         }
         free(partial);
     }
-    return failed;
+    return failed ? STEP_JOIN_FAILED : STEP_OK;
 }
 
-/* largest: [count][2], written; returns 0 on success. */
+/* largest: [count][2], written; returns STEP_OK on success. */
 int adam_moment_maxima(const AdamTensor *tensors, int count, const AdamGroup *group,
                        float *largest, int threads) {
     return run_split(tensors, count, group, largest, threads);

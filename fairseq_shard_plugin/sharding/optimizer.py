@@ -92,7 +92,7 @@ def build_sharded_optimizer(cfg: Any, params: list[torch.Tensor], settings: Shar
         fp16_moments = fp16_adam_stats(cfg.optimizer)
         # chosen for speed alone (fp32 masters on GPUs), or because fairseq's cannot step
         needs_own_adam = settings.sixteen_bit_parameters or settings.offload or fp16_moments
-        fairseq_optimizer._optimizer = ShardedAdam(
+        fairseq_optimizer.optimizer = ShardedAdam(
             shards.locals, **fairseq_optimizer.optimizer_config, fp16_moments=fp16_moments,
             max_over_ranks=max_over_ranks)
         logger.info(

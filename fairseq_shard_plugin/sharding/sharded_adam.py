@@ -41,6 +41,7 @@ from torch.optim.adam import adam as torch_adam
 from fairseq_shard_plugin.sharding.host_step_overlap import BackgroundHostStep, jobs_by_unit
 from fairseq_shard_plugin.sharding.native_adam import (
     DTYPE_CODES,
+    SWITCH,
     AdamGroup,
     AdamTensor,
     native_library,
@@ -366,10 +367,20 @@ def _moment_maxima(library: Any, array: ctypes.Array[AdamTensor], constants: Ada
                    threads: int) -> torch.Tensor:
     """The largest magnitude of each new moment, ``[len(array), 2]`` (the C step's pass)."""
     largest = torch.zeros(len(array), 2)
-    if library.adam_moment_maxima(array, len(array), ctypes.byref(constants),
-                                  ctypes.c_void_p(largest.data_ptr()), threads):
-        raise RuntimeError("the C host Adam step could not join its threads")
+    _check_native(library.adam_moment_maxima(array, len(array), ctypes.byref(constants),
+                                             ctypes.c_void_p(largest.data_ptr()), threads))
     return largest
+
+
+def _check_native(status: int) -> None:
+    """Raise for a failed C step, by ``native_adam.c``'s status codes."""
+    if status == 2:
+        raise MemoryError("the C host Adam step found no host memory for its per-thread "
+                          "maxima (a few KiB): the host is out of memory")
+    if status:
+        raise RuntimeError(f"the C host Adam step could not join one of its threads "
+                           f"(pthread_join failed, status {status}): "
+                           f"{SWITCH}=0 in the environment steps in torch instead")
 
 
 def _native_step(library: Any, entries: list[AdamTensor], states: list[dict[str, Any]],
@@ -385,8 +396,7 @@ def _native_step(library: Any, entries: list[AdamTensor], states: list[dict[str,
         for entry, state, pair in zip(array, states, scales.tolist(), strict=True):
             entry.scale_out[:] = pair
             state.update(zip(SCALES, pair, strict=True))
-    if library.adam_update(array, len(array), ctypes.byref(constants), threads):
-        raise RuntimeError("the C host Adam step could not join its threads")
+    _check_native(library.adam_update(array, len(array), ctypes.byref(constants), threads))
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
