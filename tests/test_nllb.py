@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -30,6 +31,7 @@ from launching.harness import (
     rank_environment,
     run_command,
     run_training,
+    start_ranks,
     tool,
 )
 
@@ -98,6 +100,30 @@ def nllb_sweep_flags(data: Path, save_dir: Path) -> list[str]:
         "--max-tokens", "512", "--max-update", "25", "--seed", "2",
         "--log-format", "json", "--log-interval", "1", "--num-workers", "0",
     ]
+
+
+def test_sigterm_to_the_whole_process_group_saves_despite_the_killed_data_workers(
+    multilingual: Path, tmp_path: Path
+) -> None:
+    """scancel, ``timeout`` and Slurm's time limit signal the rank's DataLoader workers too;
+    torch's worker dies of it, and its SIGCHLD handler raised "DataLoader worker ... is
+    killed by signal: Terminated" in the middle of the step: no save, a traceback (T1 #1,
+    session 25; the recipe's task keeps a worker per loader). Here the workers die first,
+    the worst order: the rank still saves and stops with 128 + SIGTERM."""
+    args = nllb_sweep_flags(multilingual, tmp_path / "save")
+    args[args.index("translation_multi_simple_epoch")] = "sharded_translation_multi_simple_epoch"
+    args[args.index("--num-workers") + 1] = "1"
+    args.remove("--no-save")
+    env = dict(rank_environment(), SIGNAL_UPDATE="3", SIGNAL="SIGTERM", WORKERS_FIRST="1")
+    returncode, output = start_ranks(
+        [sys.executable, str(REPO / "tests" / "helpers" / "signal_during_update.py"), *args,
+         "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded"], 2, env,
+        timeout=300)
+    assert returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "SIGTERM: saving a checkpoint after update 3, then stopping" in output, output[-3000:]
+    assert "Traceback" not in output and "is killed by signal" not in output, output[-3000:]
+    state = torch.load(tmp_path / "save" / "checkpoint_last.pt", weights_only=True)
+    assert state["optimizer_history"][-1]["num_updates"] == 3
 
 
 def test_nllb_sweep_trains_with_only_user_dir_and_task_changed(

@@ -83,6 +83,13 @@ class SignalStop:
             self.received = signum
         self._seen(signum)
 
+    def killed_by(self, worker_error: str) -> int | None:
+        """The stop signal that torch's "DataLoader worker (pid N) is killed by signal:
+        NAME" names, or None (another signal, another error)."""
+        return next((signum for signum in self.signals
+                     if f"is killed by signal: {signal.strsignal(signum)}" in worker_error),
+                    None)
+
     def _seen(self, signum: int) -> None:
         """Note a signal; end the process on a later one before the ranks agreed."""
         now = time.monotonic()
@@ -139,6 +146,34 @@ class SignalStop:
         if value:
             self.stopped_by = value
         return value or None
+
+
+def guard_data_workers() -> None:
+    """A scheduler signals the whole process group (``scancel``, ``timeout``, Slurm's time
+    limit), so the rank's DataLoader workers get the stop signal too, and torch's worker
+    dies of it where the sender is not its parent. torch's SIGCHLD handler then raised
+    "DataLoader worker ... is killed by signal" in the middle of the step, before the
+    stop's save (T1 #1, session 25). Wrapped here (torch installs its handler with the
+    first worker, in the main thread): a worker killed by one of the stop signals counts
+    as this rank receiving it, and the save goes on; any other death raises as before.
+    Called before every step; a no-op once the current handler is wrapped."""
+    handler = signal.getsignal(signal.SIGCHLD)
+    if (_current is None or not _current.signals or not callable(handler)
+            or getattr(handler, "stop_aware", False)
+            or threading.current_thread() is not threading.main_thread()):
+        return
+
+    def on_child(signum: int, frame: FrameType | None) -> None:
+        try:
+            handler(signum, frame)
+        except RuntimeError as error:
+            stop = _current.killed_by(str(error)) if _current is not None else None
+            if stop is None:
+                raise
+            _current._record(stop, frame)
+
+    on_child.stop_aware = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGCHLD, on_child)
 
 
 _current: SignalStop | None = None
