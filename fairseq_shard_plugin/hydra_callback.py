@@ -34,7 +34,8 @@ class LoadShardPlugin(Callback):
         import fairseq_shard_plugin
 
         fairseq_shard_plugin.activate_or_exit()
-        problem = first_unresolvable(config) or invalid_component_value(config)
+        problem = (first_unresolvable(config) or unknown_group_key(config)
+                   or invalid_component_value(config))
         if problem:
             raise SystemExit(f"fairseq-shard-plugin: error: {problem}")
 
@@ -53,6 +54,28 @@ def first_unresolvable(config: DictConfig) -> str | None:
             reason = str(error).strip().splitlines()[0]
             return (f"{where}: {reason}; give it on the command line ({where}=...) or set "
                     "what it refers to")
+    return None
+
+
+def unknown_group_key(config: DictConfig) -> str | None:
+    """One line for the first key of fairseq's fixed groups (``optimization``,
+    ``checkpoint``, ``dataset``, ``common``, ...) that the group's dataclass does not have:
+    Hydra's ``+`` adds any key, and fairseq ignored a misspelt one
+    (``+optimization.max_updates=3`` trained to the config's own max_update, T1 #2)."""
+    import dataclasses
+
+    from fairseq.dataclass.configs import FairseqConfig
+
+    for group in dataclasses.fields(FairseqConfig):
+        node = config.get(group.name)
+        if not dataclasses.is_dataclass(group.type) or not isinstance(node, DictConfig):
+            continue
+        known = [field.name for field in dataclasses.fields(group.type)]
+        for key in node:
+            if str(key) not in known:
+                close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.7)
+                hint = f": did you mean {group.name}.{close[0]}?" if close else ""
+                return f"{group.name}.{key}: not an option of fairseq's {group.name}{hint}"
     return None
 
 
