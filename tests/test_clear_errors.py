@@ -461,10 +461,14 @@ def test_a_wrong_data_path_is_named_with_the_one_to_give(corpus: Path, tmp_path:
     tokens = ("--max-tokens", "512")
     finished = run_concurrently({"out": train(corpus.parent, *tokens),
                                  "nowhere": train(tmp_path / "x", *tokens),
+                                 # relative: to where? (Hydra's run dir changes it, T1 #4)
+                                 "relative": train(Path("toy/bin"), *tokens),
                                  "no batch size": train(corpus)})
     for name, said in (("out", f"the data directory {corpus.parent} holds the binarised data "
                                f"in {corpus}: pass {corpus}"),
-                       ("nowhere", f"the data directory {tmp_path / 'x'}: no such directory"),
+                       ("nowhere", f"the data directory {tmp_path / 'x'}: no such directory: "),
+                       ("relative", f"the data directory toy/bin: no such directory in {REPO}, "
+                                    "the working directory: "),
                        ("no batch size", "give --max-tokens N")):
         done = finished[name]
         assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]

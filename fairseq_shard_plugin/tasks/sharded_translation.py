@@ -40,7 +40,8 @@ def check_data_directory(data: str) -> None:
     if "://" in first:  # remote storage: fairseq's PathManager reads it
         return
     if not os.path.isdir(first):
-        raise DataPathError(f"the data directory {first}: no such directory: give the "
+        where = "" if os.path.isabs(first) else f" in {os.getcwd()}, the working directory"
+        raise DataPathError(f"the data directory {first}: no such directory{where}: give the "
                             "directory fairseq-preprocess wrote (fairseq-shard-synthetic-data "
                             "OUT writes it to OUT/bin)")
     if glob.glob(os.path.join(glob.escape(first), "dict.*.txt")):
