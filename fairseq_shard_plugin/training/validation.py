@@ -106,13 +106,15 @@ def _check_plugin_options(cfg: Any) -> None:
             "--checkpoint-format sharded writes DTensor shards and needs --shard-engine fsdp2: "
             "use --checkpoint-format full with the fairscale engine"
         )
-    if options.export_consolidated and (cfg.checkpoint.no_save
-                                        or cfg.checkpoint.no_last_checkpoints):
+    given = [flag for flag, on in (("--no-save", cfg.checkpoint.no_save),
+                                   ("--no-last-checkpoints", cfg.checkpoint.no_last_checkpoints))
+             if on]
+    if options.export_consolidated and given:  # (the flags that are set: T1 #6, session 25)
+        several = len(given) > 1
         raise ShardingConfigError(
-            "--export-consolidated exports the final checkpoint_last.pt: remove --no-save "
-            "and --no-last-checkpoints (Hydra: checkpoint.no_save=false "
-            "checkpoint.no_last_checkpoints=false), or the export"
-        )
+            f"--export-consolidated exports the final checkpoint_last.pt, which "
+            f"{' and '.join(given)} {'leave' if several else 'leaves'} unwritten: remove "
+            f"{'them' if several else 'it'} (false under Hydra), or the export")
     if cfg.checkpoint.write_checkpoints_asynchronously:
         raise ShardingConfigError(
             "--write-checkpoints-asynchronously (iopath's background writer) cannot keep the "
