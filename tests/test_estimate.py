@@ -501,6 +501,11 @@ def test_a_hydra_config_gives_the_same_estimate_as_its_flags(
     assert from_config == as_flags
     assert from_config["setup"]["chunked_loss"] and from_config["setup"]["tokens"] == 4096
     assert run(["--config", config, "--max-tokens", "2048"])["setup"]["tokens"] == 2048
+    # a config that sets its world size (the one-GPU one) is estimated at it (T1 #9)
+    one_gpu = str(REPO / "configs" / "nllb" / "finetune_3_3b_1gpu.yaml")
+    alone = run(["--config", one_gpu])
+    assert alone["setup"]["world_size"] == 1 and alone["assumed"] == ["--vocab 256206"]
+    assert run(["--config", one_gpu, "--world-size", "4"])["setup"]["world_size"] == 4
     completed = cli["adafactor config"]
     adafactor = completed.args[-1]
     assert completed.returncode != 0

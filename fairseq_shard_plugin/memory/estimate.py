@@ -307,10 +307,14 @@ ROWS = (("parameters", "params"), ("gradients", "grads"), ("optimizer state", "o
         ("temporaries", "temporaries"), ("peak", "peak"))
 
 
+def _ranks(count: int) -> str:
+    return f"{count} rank{'' if count == 1 else 's'}"
+
+
 def table(results: dict[str, Estimate], setup: TrainingSetup) -> str:
-    names = {"unsharded": "unsharded (1 rank)",
-             "stock-policy": f"stock policy ({setup.world_size} ranks)",
-             "requested": f"this run ({setup.world_size} ranks)"}
+    names = {"unsharded": f"unsharded ({_ranks(1)})",
+             "stock-policy": f"stock policy ({_ranks(setup.world_size)})",
+             "requested": f"this run ({_ranks(setup.world_size)})"}
     width = max(len(n) for n in names.values()) + 2
     lines = ["GiB per rank".ljust(18) + "".join(n.rjust(width) for n in names.values())]
     for label, field in ROWS:
@@ -348,7 +352,7 @@ def host_report(shape: ModelShape, setup: TrainingSetup, options: argparse.Names
 
 def host_table(host: dict[str, Any]) -> str:
     """The host report as a small table, with what it assumes in one line."""
-    per_host = f"per host ({host['ranks_per_node']} ranks)"
+    per_host = f"per host ({_ranks(host['ranks_per_node'])})"
     width = len(per_host) + 2
     lines = ["Host GiB, this run".ljust(28) + "per rank".rjust(width) + per_host.rjust(width)]
     rows = [(name, host["cases"][name]) for name in HOST_CASES]

@@ -5,7 +5,8 @@ names as the estimator's options, spread over its groups (``model.encoder_layers
 ``common.fp16``, ``dataset.max_tokens``, ``task.keep_vocabulary_gathered``,
 ``distributed_training.cpu_offload``, ...); a group's ``_name`` selects the arch, the
 optimizer or the criterion. The world size and the vocabulary come from the launcher and
-the data, so they stay flags.
+the data, so they stay flags, unless the config sets ``distributed_training.
+distributed_world_size`` itself (a config for one GPU does: T1 #9, session 25).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 # the option that a group's ``_name`` sets
 _NAMED_BY_GROUP = {"model": "arch", "optimizer": "optimizer", "criterion": "criterion"}
+# keys named otherwise than the option they set
+_RENAMED = {("distributed_training", "distributed_world_size"): "world_size"}
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -91,7 +94,8 @@ def defaults_from_hydra_config(
         if group == "hydra" or not isinstance(values, dict):
             continue
         for key, value in values.items():
-            option = _NAMED_BY_GROUP.get(group) if key == "_name" else key
+            option = (_NAMED_BY_GROUP.get(group) if key == "_name"
+                      else _RENAMED.get((group, key), key))
             if option not in options or value is None or value == "???":
                 continue
             choices = options[option]
