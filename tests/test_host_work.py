@@ -49,6 +49,8 @@ def test_the_gpu_checks_steady_state_and_profile_come_from_a_real_run(
     run = run_training(args, nproc=1, plugin=True, measure_dir=tmp_path / "measured",
                        measure_options=("--profile-updates", "5-6"))
     record = run.memory[0]
+    assert ("--cpu-offload on CPU ranks: the model state lives on the host already, so the "
+            "offload only adds copies") in run.output  # (T1 #5, session 25)
     assert len(record["update_starts"]) == 8
     assert record["update_starts"] == sorted(record["update_starts"])
     assert record["profile"]["updates"] == 2

@@ -67,6 +67,7 @@ from fairseq_shard_plugin.sharding.parallelize import parallelize
 from fairseq_shard_plugin.sharding.settings import ShardingSettings, warn_once
 from fairseq_shard_plugin.sharding.sharded_adam import ShardedAdam
 from fairseq_shard_plugin.training import signal_stop
+from fairseq_shard_plugin.training.cpu_rank_hints import cpu_rank_hints
 from fairseq_shard_plugin.training.data_position import convert_position, record_ranks
 from fairseq_shard_plugin.training.divergence import diverged
 from fairseq_shard_plugin.training.final_saves import refuse_a_step_past_the_end
@@ -205,6 +206,8 @@ class ShardedTrainer(Trainer):
                     self.compute_dtype or torch.float32,
                     "16-bit parameter shards" if self.settings.sixteen_bit_parameters
                     else "fp32 master shards", peak_rss_bytes() / 2**30)
+        for hint in cpu_rank_hints(self.settings, use_cuda):
+            logger.warning(hint)
         if self.offload and use_cuda:
             # torchrun sets OMP_NUM_THREADS=1; the offloaded optimizer step runs on the host
             threads = host_threads_per_rank()
