@@ -1,7 +1,7 @@
 """Per-update timing and a profile of a few steady updates, for ``fairseq-shard-measure-train``.
 
-:class:`UpdateClock` notes when each of fairseq's ``Trainer.train_step`` calls starts (on a
-GPU after the work queued so far has finished, so each interval is one whole update), for
+:class:`UpdateClock` notes when each update's optimizer step begins (on a GPU after the
+work queued so far has finished, so each interval is one whole update), for
 steady-state speed over chosen updates instead of an epoch summary that includes start-up;
 :class:`StepDurations` how long each optimizer step itself took (with ``--cpu-offload``, the
 host's Adam step that the update waits for).

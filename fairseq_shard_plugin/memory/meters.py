@@ -27,7 +27,6 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-GIB = 1024**3
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -73,7 +72,7 @@ class _ResizeWatch:
             cls.original = torch.UntypedStorage.resize_
             original = cls.original
 
-            def resize_(storage: torch.UntypedStorage, size: int):  # type: ignore[no-untyped-def]
+            def resize_(storage: torch.UntypedStorage, size: int) -> Any:
                 result = original(storage, size)
                 for active in cls.meters:
                     active.resized(storage)
@@ -127,7 +126,8 @@ class LiveTensorMeter(TorchDispatchMode):
         super().__exit__(*exc)
         _ResizeWatch.remove(self)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):
             self._track(out)
@@ -297,7 +297,7 @@ def watch_offloaded_state(
         if active is not None and param.grad is not None:
             active.mark_host(param.grad)
 
-    def optimizer_step(host_phase: bool):  # type: ignore[no-untyped-def]
+    def optimizer_step(host_phase: bool) -> Callable[..., None]:
         def hook(*_: object) -> None:
             active = meter()
             if active is not None:

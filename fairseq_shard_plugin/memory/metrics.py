@@ -7,7 +7,8 @@ import torch.distributed as dist
 from fairseq.logging import metrics
 from fairseq.logging.meters import Meter, safe_round
 
-from fairseq_shard_plugin.memory.meters import GIB, StepMemory
+from fairseq_shard_plugin.memory.meters import StepMemory
+from fairseq_shard_plugin.memory.model import GIB
 
 PEAK_KEY = "peak_mem_gb"  # CUDA max allocated, or peak live tensor bytes on CPU
 RESERVED_KEY = "peak_reserved_gb"  # CUDA only: the caching allocator's peak

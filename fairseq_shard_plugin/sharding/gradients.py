@@ -79,7 +79,7 @@ def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.
     return total
 
 
-def max_over_ranks(device: torch.device) -> Callable[[torch.Tensor], None] | None:
+def maxima_reducer(device: torch.device) -> Callable[[torch.Tensor], None] | None:
     """A function replacing a CPU tensor's values by their maxima over all ranks (one
     all-reduce on ``device``, whose backend needs its tensors there), or None on one rank.
     Replicas of hybrid sharding hold equal values, so all ranks give the shard groups'."""

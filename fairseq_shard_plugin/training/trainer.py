@@ -52,6 +52,7 @@ from fairseq_shard_plugin.memory.meters import (
     watch_offloaded_state,
 )
 from fairseq_shard_plugin.memory.metrics import log_step_memory
+from fairseq_shard_plugin.memory.model import GIB
 from fairseq_shard_plugin.memory.run_estimate import (
     describe_run,
     host_memory_warning,
@@ -59,7 +60,7 @@ from fairseq_shard_plugin.memory.run_estimate import (
     out_of_memory_clause,
 )
 from fairseq_shard_plugin.sharding.full_state import loading_full_tensors_into_shards
-from fairseq_shard_plugin.sharding.gradients import max_over_ranks
+from fairseq_shard_plugin.sharding.gradients import maxima_reducer
 from fairseq_shard_plugin.sharding.host_step_overlap import BackgroundHostStep, owning_units
 from fairseq_shard_plugin.sharding.optimizer import build_sharded_optimizer
 from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
@@ -176,7 +177,8 @@ def shard_groups(world_size: int, group_size: int) -> str:
 class ShardedTrainer(Trainer):
     """Trainer for ``--ddp-backend fully_sharded`` with the plugin loaded."""
 
-    def __init__(self, cfg: Any, task: Any, model: Any, criterion: Any, quantizer: Any = None):
+    def __init__(self, cfg: Any, task: Any, model: Any, criterion: Any,
+                 quantizer: Any = None) -> None:
         check_sharded_config(cfg)
         self.sharding_options = sharding_options(cfg.task)
         if self.sharding_options.export_consolidated and not export_follows_training():
@@ -205,7 +207,7 @@ class ShardedTrainer(Trainer):
                     self.settings.engine, sharded.description,
                     self.compute_dtype or torch.float32,
                     "16-bit parameter shards" if self.settings.sixteen_bit_parameters
-                    else "fp32 master shards", peak_rss_bytes() / 2**30)
+                    else "fp32 master shards", peak_rss_bytes() / GIB)
         for hint in cpu_rank_hints(self.settings, use_cuda):
             logger.warning(hint)
         if self.offload and use_cuda:
@@ -302,7 +304,7 @@ class ShardedTrainer(Trainer):
             if p.requires_grad
         ]
         self._optimizer = build_sharded_optimizer(self.cfg, params, self.settings,
-                                                  max_over_ranks(self.device))
+                                                  maxima_reducer(self.device))
         self._lr_scheduler = lr_scheduler.build_lr_scheduler(
             self.cfg.lr_scheduler, self._optimizer
         )
@@ -581,7 +583,7 @@ class ShardedTrainer(Trainer):
                         offloaded=self.offload)
         if log_free_memory and self._cuda_environment is not None and step_memory is not None:
             metrics.log_scalar("gb_free", self._cuda_environment.total_memory_in_GB
-                               - step_memory.peak_allocated / 1024**3,
+                               - step_memory.peak_allocated / GIB,
                                priority=1500, round=1, weight=0)
         return logging_output
 

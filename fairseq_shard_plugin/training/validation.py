@@ -279,7 +279,8 @@ def _check_parallelism_and_launch(cfg: Any) -> None:
             "remove --model-parallel-size/--pipeline-model-parallel"
         )
     if common.tpu:
-        raise ShardingConfigError("--tpu is not supported with --ddp-backend fully_sharded")
+        raise ShardingConfigError("--tpu is not supported with --ddp-backend fully_sharded: "
+                                  "remove --tpu, or use another --ddp-backend")
     if (
         not uses_cuda(cfg)
         and dist_cfg.distributed_world_size > 1
