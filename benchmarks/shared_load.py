@@ -1,7 +1,7 @@
 """Host memory of N ranks of one host loading one full checkpoint, mapped or read.
 
 The plugin loads full checkpoints with ``torch.load(..., mmap=True, weights_only=True)``
-(``checkpoint/trainer_files.py``) and each rank copies only its slice of every tensor into
+(``training/trainer_files.py``) and each rank copies only its slice of every tensor into
 its shards. Mapped, the file's pages are page cache shared by all ranks of the host; read
 (``mmap=False``), every rank holds a private copy of the whole file. This measures both for
 an NLLB-600M-shaped checkpoint of fp32 weights (a released model's layout): N fresh

@@ -215,18 +215,30 @@ from fairseq_shard_plugin.checkpoint.errors import (
     CheckpointLoadError,
     describe_unreadable,
     save_failure,
+    tensor_shapes,
 )
 from fairseq_shard_plugin.checkpoint.integrity import RESUME_HINT
 from fairseq_shard_plugin.checkpoint.portable import (
     languages_as_lists,
     languages_numbering_the_tokens,
+    stored_language_tokens,
     with_model_namespace,
 )
 from fairseq_shard_plugin.checkpoint.reading import NotACheckpointError, read_checkpoint
 from fairseq_shard_plugin.checkpoint.save_dir_claim import claimed_save_dir
 from fairseq_shard_plugin.checkpoint.stock_optimizer_state import give_to_stock_optimizer
 from fairseq_shard_plugin.errors import ShardPluginError, exit_with, tell_the_launcher
+from fairseq_shard_plugin.hydra_keys import in_hydra_keys, running_under_hydra
 from fairseq_shard_plugin.memory.metrics import MaxMeter
+from fairseq_shard_plugin.run_hooks import (
+    CheckpointRead,
+    active_trainer_loader,
+    mark_export_follows_training,
+    note_checkpoint_read,
+    settings_of_training,
+    stock_trainer_optimizer,
+    training_with,
+)
 from fairseq_shard_plugin.sharding.options import (
     SHARDING_FLAGS,
     options_given,
@@ -240,21 +252,12 @@ from fairseq_shard_plugin.training.final_saves import (
     config_for_a_signal_save,
     ends_without_a_save,
 )
-from fairseq_shard_plugin.training.hydra_keys import in_hydra_keys, running_under_hydra
 from fairseq_shard_plugin.training.launch_env import (
     apply_torchrun_environment,
     default_allocator_setting,
     uses_cuda,
 )
 from fairseq_shard_plugin.training.private_state import with_private_loaded_state
-from fairseq_shard_plugin.training.run_hooks import (
-    active_trainer_loader,
-    mark_export_follows_training,
-    note_checkpoint_read,
-    settings_of_training,
-    stock_trainer_optimizer,
-    training_with,
-)
 from fairseq_shard_plugin.training.signal_stop import stopped_by
 from fairseq_shard_plugin.training.validation import (
     check_a_lost_last_checkpoint,
@@ -642,6 +645,15 @@ def _refuse_a_damaged_file(path: str) -> None:
         raise CheckpointLoadError(corruption_message(path, damaged, again))
 
 
+def _what_was_read(path: str, state: Any, languages: list[str] | None) -> CheckpointRead:
+    """What the task checks of the checkpoint ``state`` read from ``path``: its shapes, its
+    language-token options and the language list its tokens were numbered by
+    (``languages_numbering_the_tokens``, taken before a stored file path was read)."""
+    model = state.get("model") if isinstance(state, dict) else None
+    shapes = tensor_shapes(model) if isinstance(model, dict) else {}
+    return CheckpointRead(str(path), languages, shapes, stored_language_tokens(state))
+
+
 def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., Any]:
     def load_checkpoint_to_cpu(path: str, arg_overrides: Any = None,
                                load_on_all_ranks: bool = False, **kwargs: Any) -> Any:
@@ -669,7 +681,7 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
         state = languages_as_lists(state)  # a --langs path, as earlier versions saved it
         loader = active_trainer_loader()
         if loader is not None:
-            note_checkpoint_read(path, state, numbered_by)
+            note_checkpoint_read(_what_was_read(path, state, numbered_by))
             return loader(path, state)
         if is_rank_file_state(state):  # stock fully_sharded's per-rank files: the whole set
             state = consolidated_state(path, state, read_rank_file, None, None,
@@ -683,7 +695,8 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
                 raise CheckpointLoadError(str(error).replace(RESUME_HINT, (
                     "use an intact checkpoint (fairseq-shard-verify FILE or SAVE_DIR checks "
                     "them)"))) from error
-        note_checkpoint_read(path, state, numbered_by)  # the task checks the model next
+        note_checkpoint_read(_what_was_read(path, state, numbered_by))  # the task checks
+        # the model next
         optimizer = stock_trainer_optimizer()
         if optimizer is not None and isinstance(state, dict):  # fairseq's own trainer
             give_to_stock_optimizer(path, state, *optimizer())

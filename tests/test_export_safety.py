@@ -185,8 +185,8 @@ def test_a_resume_from_a_file_without_optimizer_state_is_refused_unless_reset(
     """Stock fairseq would load the weights, restart the update count at 0 and then save
     over the checkpoints of updates 1, 2, ...; a fine-tune (optimizer reset) is fine."""
     from fairseq_shard_plugin.checkpoint.errors import CheckpointLoadError
-    from fairseq_shard_plugin.checkpoint.trainer_files import trainer_state_loader
     from fairseq_shard_plugin.training.data_position import record_ranks
+    from fairseq_shard_plugin.training.trainer_files import trainer_state_loader
 
     export = consolidate.export_consolidated(save_dir, save_dir.parent / "model.pt")
     state = torch.load(export, weights_only=True)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from fairseq_shard_plugin import fairseq_integration as integration
+from fairseq_shard_plugin import run_hooks
 from fairseq_shard_plugin.checkpoint.sharded import SHARDED_KEY
-from fairseq_shard_plugin.training import run_hooks
 from fairseq_shard_plugin.training.validation import check_branch_options
 
 

@@ -363,7 +363,7 @@ def test_a_finetune_run_without_its_checkpoint_stops_in_one_line(tmp_path: Path)
 def test_flags_in_errors_are_named_by_the_group_that_owns_the_key() -> None:
     """fairseq interpolates common.seed into task.seed and optimization.lr into
     optimizer.lr: the line names the key to set; flags of no key stay as they are."""
-    from fairseq_shard_plugin.training.hydra_keys import in_hydra_keys
+    from fairseq_shard_plugin.hydra_keys import in_hydra_keys
 
     job = {"task": {"seed": 1, "layers_per_unit": 0, "_name": "sharded_translation"},
            "optimizer": {"lr": [0.1]}, "common": {"seed": 1}, "optimization": {"lr": [0.1]},

@@ -2,5 +2,6 @@
 logged per step, the analytic memory model and the estimator that reads a configuration or
 a training command.
 
-May import :mod:`..sharding` and :mod:`..checkpoint` (sizes); nothing above.
+May import :mod:`..sharding`, :mod:`..checkpoint` (sizes) and :mod:`..tasks` (the
+estimator registers the plugin's architectures); nothing above.
 """

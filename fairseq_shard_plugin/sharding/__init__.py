@@ -3,5 +3,5 @@ become units), the engines that apply it (torch FSDP2, fairscale), mixed precisi
 fp32 master shards, the optimizer's view of local shards, the global gradient norm, and
 conversion between shards and full tensors.
 
-Imports fairseq and torch only, never the plugin's other subpackages.
+Imports fairseq, torch and the plugin's :mod:`..errors` only, never its other subpackages.
 """

@@ -2,7 +2,9 @@
 configuration, the NLLB architectures, the chunked cross-entropy criterion, resumable
 batch iteration.
 
-May import :mod:`..sharding` (the plugin's options, the wrap policy's names); nothing above.
+May import :mod:`..sharding` (the plugin's options, the wrap policy's names),
+:mod:`..checkpoint` (its shape wording) and :mod:`..run_hooks` (what hook 6 read); nothing
+above.
 """
 
 

@@ -4,7 +4,7 @@ fairseq builds such a model from the checkpoint's model config and the current t
 dictionaries, then copies the weights in; where the dictionary differs (the nllb branch's
 data-source tags, another ``--srcdict``), torch's size-mismatch traceback for every
 parameter was all that said so. fairseq reads the checkpoint just before it builds the
-model (hook 6 notes what it read: :func:`..training.run_hooks.checkpoint_read`), so the
+model (hook 6 notes what it read: :func:`..run_hooks.checkpoint_read`), so the
 task compares the shapes first and names the first difference in one line.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from fairseq_shard_plugin.checkpoint.errors import describe_shape_difference, state_dict_shapes
 from fairseq_shard_plugin.errors import ShardPluginError
-from fairseq_shard_plugin.training.run_hooks import checkpoint_read
+from fairseq_shard_plugin.run_hooks import checkpoint_read
 
 
 class CheckpointModelMismatchError(ShardPluginError, ValueError):

@@ -19,6 +19,7 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation_multi_simple_epoch import TranslationMultiSimpleEpochTask
 from omegaconf import DictConfig, open_dict
 
+from fairseq_shard_plugin.run_hooks import checkpoint_read
 from fairseq_shard_plugin.sharding.options import add_sharding_args
 from fairseq_shard_plugin.tasks.checkpoint_match import MatchingTheCheckpoint
 from fairseq_shard_plugin.tasks.multilingual_checks import (
@@ -40,7 +41,6 @@ from fairseq_shard_plugin.tasks.multilingual_config import (
     task_namespace,
 )
 from fairseq_shard_plugin.tasks.sharded_translation import check_data_directory
-from fairseq_shard_plugin.training.run_hooks import checkpoint_read
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from fairseq.logging import metrics
 
 from fairseq_shard_plugin.checkpoint.portable import languages_as_lists
 from fairseq_shard_plugin.checkpoint.reading import private_copies_of_mapped
-from fairseq_shard_plugin.training.run_hooks import loading_into_stock_trainer
+from fairseq_shard_plugin.run_hooks import loading_into_stock_trainer
 
 logger = logging.getLogger(__name__)
 

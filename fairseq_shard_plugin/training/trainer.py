@@ -36,14 +36,6 @@ from fairseq_shard_plugin.checkpoint.fairscale_sets import first_rank_file
 from fairseq_shard_plugin.checkpoint.portable import languages_as_lists, with_plain_config
 from fairseq_shard_plugin.checkpoint.sharded import shard_directory
 from fairseq_shard_plugin.checkpoint.space import full_state_bytes, space_report
-from fairseq_shard_plugin.checkpoint.trainer_files import (
-    after_save,
-    checkpoint_state,
-    read_sharded_index,
-    save_full_checkpoint,
-    trainer_state_loader,
-    verify_full_checkpoint,
-)
 from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.memory.meters import (
     StepMemoryProbe,
@@ -59,6 +51,7 @@ from fairseq_shard_plugin.memory.run_estimate import (
     log_predicted_peak,
     out_of_memory_clause,
 )
+from fairseq_shard_plugin.run_hooks import export_follows_training, loading_into_trainer
 from fairseq_shard_plugin.sharding.full_state import loading_full_tensors_into_shards
 from fairseq_shard_plugin.sharding.gradients import maxima_reducer
 from fairseq_shard_plugin.sharding.host_step_overlap import BackgroundHostStep, owning_units
@@ -79,7 +72,14 @@ from fairseq_shard_plugin.training.launch_env import (
 )
 from fairseq_shard_plugin.training.out_of_memory import stop_on_out_of_memory
 from fairseq_shard_plugin.training.private_state import release_checkpoint_pages
-from fairseq_shard_plugin.training.run_hooks import export_follows_training, loading_into_trainer
+from fairseq_shard_plugin.training.trainer_files import (
+    after_save,
+    checkpoint_state,
+    read_sharded_index,
+    save_full_checkpoint,
+    trainer_state_loader,
+    verify_full_checkpoint,
+)
 from fairseq_shard_plugin.training.validation import (
     ShardingConfigError,
     check_sharded_config,

@@ -14,10 +14,10 @@ from fairseq_shard_plugin.checkpoint.portable import config_entry, saved_without
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.sharded import SHARDS_DIR, is_sharded_index
 from fairseq_shard_plugin.errors import ShardingConfigError
+from fairseq_shard_plugin.hydra_keys import running_under_hydra
 from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
 from fairseq_shard_plugin.sharding.settings import shard_group_size
 from fairseq_shard_plugin.torch_support import installed_torch, release
-from fairseq_shard_plugin.training.hydra_keys import running_under_hydra
 from fairseq_shard_plugin.training.launch_env import launched_by_torchrun, uses_cuda
 from fairseq_shard_plugin.training.signal_stop import parse_signals
 

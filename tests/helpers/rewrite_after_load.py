@@ -23,9 +23,9 @@ import fairseq_shard_plugin
 fairseq_shard_plugin.activate()  # as --user-dir does
 import fairseq_cli.train as train_cli  # noqa: E402  (its Trainer is hooked by activate)
 
+from fairseq_shard_plugin.run_hooks import training_with  # noqa: E402
 from fairseq_shard_plugin.sharding.settings import ShardingSettings  # noqa: E402
 from fairseq_shard_plugin.training.launch_env import ensure_process_group  # noqa: E402
-from fairseq_shard_plugin.training.run_hooks import training_with  # noqa: E402
 from fairseq_shard_plugin.training.validation import is_sharded_run  # noqa: E402
 
 

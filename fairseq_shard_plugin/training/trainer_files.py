@@ -54,6 +54,8 @@ from fairseq_shard_plugin.checkpoint.stock_optimizer_state import (
     adopt_stock_optimizer_state,
     layout_problem,
 )
+from fairseq_shard_plugin.hydra_keys import in_hydra_keys, running_under_hydra
+from fairseq_shard_plugin.run_hooks import checkpoint_read
 from fairseq_shard_plugin.sharding.full_state import share_tied_tensors, tied_parameter_names
 from fairseq_shard_plugin.sharding.options import checkpoint_format
 from fairseq_shard_plugin.tasks.multilingual_checks import (
@@ -61,8 +63,6 @@ from fairseq_shard_plugin.tasks.multilingual_checks import (
     language_order_problem,
     language_tokens_problem,
 )
-from fairseq_shard_plugin.training.hydra_keys import in_hydra_keys, running_under_hydra
-from fairseq_shard_plugin.training.run_hooks import checkpoint_read
 
 logger = logging.getLogger(__name__)
 

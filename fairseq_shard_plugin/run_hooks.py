@@ -1,12 +1,12 @@
-"""What the trainer and the hooks of :mod:`..fairseq_integration` tell each other.
+"""What the trainer and the hooks of :mod:`.fairseq_integration` tell each other.
 
 The hooks import the trainer (to construct it); the trainer must not import the hooks, so
-the little state they share lives here: the loader that fairseq's checkpoint reading hands
-every checkpoint to while the trainer loads one (hook 6), whether the
-``--export-consolidated`` export follows the training in this process (hook 4), the
-sharding settings of the training being built (hooks 1 and 4), and the language list and
-tensor shapes of the checkpoint fairseq read last (hook 6), which its task checks as it
-builds the model.
+the little state they share lives here, below every subpackage (it imports none): the
+loader that fairseq's checkpoint reading hands every checkpoint to while the trainer loads
+one (hook 6), whether the ``--export-consolidated`` export follows the training in this
+process (hook 4), the sharding settings of the training being built (hooks 1 and 4), and
+what hook 6 read of the checkpoint fairseq read last (language list, tensor shapes), which
+its task checks as it builds the model.
 """
 
 from __future__ import annotations
@@ -37,17 +37,9 @@ class CheckpointRead:
     language_tokens: tuple[Any, bool] | None = None  # --encoder-langtok, --decoder-langtok
 
 
-def note_checkpoint_read(path: str, state: Any, languages: list[str] | None) -> None:
-    """Note the checkpoint ``state`` fairseq read from ``path`` (hook 6), and the language
-    list its tokens were numbered by (``portable.languages_numbering_the_tokens``, taken
-    before a stored file path was read into a list)."""
-    from fairseq_shard_plugin.checkpoint.errors import tensor_shapes
-    from fairseq_shard_plugin.checkpoint.portable import stored_language_tokens
-
-    model = state.get("model") if isinstance(state, dict) else None
-    shapes = tensor_shapes(model) if isinstance(model, dict) else {}
-    _checkpoint_read[0] = CheckpointRead(str(path), languages, shapes,
-                                         stored_language_tokens(state))
+def note_checkpoint_read(read: CheckpointRead) -> None:
+    """Note what hook 6 read of the checkpoint fairseq has just loaded."""
+    _checkpoint_read[0] = read
 
 
 def checkpoint_read() -> CheckpointRead | None:
