@@ -304,8 +304,19 @@ def test_truncated_checkpoint_fails_with_one_clear_line_and_is_kept(
     run = resume_from(truncated, tmp_path,
                       training_args(corpus, tmp_path, REFERENCE_UPDATES + 5) + TINY)
     line = error_line(run)
-    assert "checkpoint_last.pt: unreadable checkpoint" in line and "truncated" in line
+    assert "checkpoint_last.pt: truncated checkpoint (" in line, line
+    assert "miniz" not in line and line.endswith("SAVE_DIR lists them)"), line
     assert (tmp_path / "checkpoint_last.pt").read_bytes() == truncated  # nothing overwritten
+    # the same file to fine-tune from: resuming from another file was the wrong advice
+    source = tmp_path / "checkpoint_last.pt"
+    run = run_training(training_args(corpus, tmp_path / "fine-tune", REFERENCE_UPDATES) + TINY
+                       + ["--finetune-from-model", str(source)], nproc=1, plugin=True,
+                       check=False)
+    line = error_line(run)
+    size = len(truncated)
+    assert line.endswith(f"truncated checkpoint ({size} bytes: its end, the zip directory, "
+                         "is missing); give --finetune-from-model an intact checkpoint "
+                         "(fairseq-shard-verify FILE checks one)"), line
 
 
 # Checkpoints of another architecture or vocabulary, damaged ones, exact reloads on other

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fairseq_shard_plugin.checkpoint.atomic_files import WriteError
-from fairseq_shard_plugin.checkpoint.integrity import RESUME_HINT
+from fairseq_shard_plugin.checkpoint.integrity import RESUME_HINT, is_truncated_zip
 from fairseq_shard_plugin.checkpoint.portable import config_entry
 from fairseq_shard_plugin.checkpoint.reading import NotACheckpointError, read_checkpoint
 from fairseq_shard_plugin.errors import ShardPluginError
@@ -45,6 +45,13 @@ def keeping_the_save_dir(message: str, filename: str, save_dir: str) -> str:
         f"to train on from its weights with a fresh optimizer, give --finetune-from-model "
         f"{filename} and a new --save-dir (--reset-optimizer would restart at update 0 and "
         "save over this save dir's checkpoints)"))
+
+
+def for_a_fine_tune(message: str) -> str:
+    """``message`` about the checkpoint ``--finetune-from-model`` names: its advice to resume
+    from another file with --restore-file was the wrong fix there (T2 #4, session 25)."""
+    return message.replace(RESUME_HINT, "give --finetune-from-model an intact checkpoint "
+                           "(fairseq-shard-verify FILE checks one)")
 
 
 class CheckpointWriteError(WriteError):
@@ -156,6 +163,10 @@ def describe_unreadable(filename: str | Path, error: BaseException) -> str:
                 f"({_unpickler_cause(error)}), which the plugin never bypasses: a damaged or "
                 "crafted file; re-save the checkpoint where it was written")
     size = Path(filename).stat().st_size if Path(filename).exists() else 0
+    if Path(filename).is_file() and is_truncated_zip(Path(filename)):  # not torch's
+        # paragraph on miniz (T2 #4, session 25): what fairseq-generate said already
+        return (f"{filename}: truncated checkpoint ({size} bytes: its end, the zip "
+                "directory, is missing)")
     return (f"{filename}: unreadable checkpoint ({size} bytes; truncated or corrupted?): "
             f"{_first_line(error)}")
 

@@ -28,6 +28,7 @@ from fairseq_shard_plugin.checkpoint.errors import (
     describe_checkpoint_problem,
     describe_schedule_problem,
     first_cause,
+    for_a_fine_tune,
     in_save_dir,
     keeping_the_save_dir,
     state_dict_shapes,
@@ -441,6 +442,8 @@ class ShardedTrainer(Trainer):
             if message.startswith(f"{filename}: could not be loaded: "):  # nothing known:
                 logger.error(f"loading {filename} failed here:", exc_info=error)  # the trace
             advised = keeping_the_save_dir(message, filename, self.cfg.checkpoint.save_dir)
+            if filename == getattr(self.cfg.checkpoint, "finetune_from_model", None):
+                advised = for_a_fine_tune(advised)
             if advised is message and isinstance(error, CheckpointLoadError):
                 raise
             raise CheckpointLoadError(advised) from error
