@@ -1,4 +1,11 @@
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# the Hydra configs, installed under PREFIX/share (fairseq-shard-user-dir --configs names them)
+CONFIGS = [(f"share/fairseq-shard-plugin/{folder}",
+            sorted(str(path) for path in Path(folder).glob("*.yaml")))
+           for folder in sorted({str(path.parent) for path in Path("configs").rglob("*.yaml")})]
 
 setup(
     name="fairseq-shard-plugin",
@@ -7,6 +14,7 @@ setup(
     packages=find_packages(include=["fairseq_shard_plugin", "fairseq_shard_plugin.*"]),
     # the C host Adam step, compiled on first use (sharding/native_adam.py)
     package_data={"fairseq_shard_plugin.sharding": ["native_adam.c"]},
+    data_files=CONFIGS,
     python_requires=">=3.10",
     # torch and fairseq are not pinned here: an existing fairseq (e.g. the NLLB branch) and
     # its torch must never be replaced, not even to meet a floor (the package refuses a torch

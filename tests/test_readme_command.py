@@ -98,6 +98,30 @@ def test_the_readmes_walkthrough_runs_from_data_to_translations(tmp_path: Path) 
     assert "returned a view tensor" not in output
 
 
+def test_the_configs_are_installed_and_named_from_anywhere(tmp_path: Path) -> None:
+    """`--config-dir configs/nllb` worked only from the checkout, and `pip install .` left
+    the configs behind (T1 #10, session 25): they are installed under PREFIX/share, and
+    `fairseq-shard-user-dir --configs` names the checkout's or the installed copy."""
+    from fairseq_shard_plugin.cli.user_dir import configs_folder
+
+    printed = subprocess.run([tool("fairseq-shard-user-dir"), "--configs"], cwd=tmp_path,
+                             check=True, capture_output=True, text=True).stdout.strip()
+    assert Path(printed) == REPO / "configs" / "nllb"  # make's editable install: the checkout
+    prefix = tmp_path / "prefix"
+    # --ignore-installed: without it, pip uninstalls the environment's own (editable) copy
+    done = run_command([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                        "--no-build-isolation", "--ignore-installed", "--prefix", str(prefix),
+                        str(REPO)], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    package = next(prefix.glob("lib/python*/site-packages/fairseq_shard_plugin"))
+    installed = configs_folder(package, prefix)
+    assert installed == prefix / "share" / "fairseq-shard-plugin" / "configs" / "nllb"
+    shipped = sorted(path.relative_to(REPO / "configs" / "nllb")
+                     for path in (REPO / "configs" / "nllb").rglob("*.yaml"))
+    assert sorted(path.relative_to(installed) for path in installed.rglob("*.yaml")) == shipped
+    assert configs_folder(package, tmp_path / "elsewhere") is None
+
+
 def test_the_user_dir_command_names_a_folder_fairseq_loads_from_anywhere(tmp_path: Path) -> None:
     """The README's `--user-dir "$(fairseq-shard-user-dir)"`, from a directory that is not
     the checkout (where `--user-dir fairseq_shard_plugin` names nothing for an editable
