@@ -228,7 +228,7 @@ from fairseq_shard_plugin.checkpoint.reading import NotACheckpointError, read_ch
 from fairseq_shard_plugin.checkpoint.save_dir_claim import claimed_save_dir
 from fairseq_shard_plugin.checkpoint.stock_optimizer_state import give_to_stock_optimizer
 from fairseq_shard_plugin.errors import ShardPluginError, exit_with, tell_the_launcher
-from fairseq_shard_plugin.hydra_keys import in_hydra_keys, running_under_hydra
+from fairseq_shard_plugin.hydra_keys import as_written
 from fairseq_shard_plugin.memory.metrics import MaxMeter
 from fairseq_shard_plugin.run_hooks import (
     CheckpointRead,
@@ -380,14 +380,14 @@ class _TrainThenExport:
                 with training_with(settings):
                     result = self.main(cfg, **kwargs)
             except TrainingAlreadyFinished as finished:  # (every rank, at the same update)
-                logger.info(str(finished))
+                logger.info(as_written(str(finished), cfg))
             signum = stopped_by()
             if signum is not None:  # saved and stopped early (hook 9): not the final model
                 name = signal.Signals(signum).name
-                tell_the_launcher(  # torchrun's summary: a requested stop, not a crash
+                tell_the_launcher(as_written(  # torchrun's summary: a requested stop
                     f"fairseq-shard-plugin: stopped on {name} (exit code {128 + signum}) "
                     + ("without saving (--no-save)" if cfg.checkpoint.no_save else
-                       "after saving checkpoint_last.pt: the same command resumes"))
+                       "after saving checkpoint_last.pt: the same command resumes"), cfg))
                 sys.exit(128 + signum)
             target = sharding_options(cfg.task).export_consolidated
             if target:
@@ -461,8 +461,7 @@ def _checked_configuration(cfg: Any) -> bool:
 
 def _error_line(error: ShardPluginError, cfg: Any) -> str:
     """The line that ends the run: under fairseq-hydra-train, flags named as its keys."""
-    message = in_hydra_keys(str(error), cfg) if running_under_hydra() else str(error)
-    return f"fairseq-shard-plugin: error: {message}"
+    return f"fairseq-shard-plugin: error: {as_written(str(error), cfg)}"
 
 
 def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[..., Any]:
@@ -850,10 +849,12 @@ def _save_on_signal(cfg: Any, trainer: Any, epoch_itr: Any, signum: int, update:
     """The save a stop on ``signum`` makes (checkpoint_last.pt; none under --no-save)."""
     name = signal.Signals(signum).name
     if cfg.checkpoint.no_save:
-        logger.warning(f"{name}: stopping after update {update}, not saving (--no-save)")
+        logger.warning(as_written(f"{name}: stopping after update {update}, not saving "
+                                  "(--no-save)", cfg))
         return
-    logger.info(f"{name}: saving a checkpoint after update {update}, then stopping "
-                f"(exit code {128 + signum}); {_how_to_resume(cfg.checkpoint)}")
+    logger.info(as_written(f"{name}: saving a checkpoint after update {update}, then "
+                           f"stopping (exit code {128 + signum}); "
+                           f"{_how_to_resume(cfg.checkpoint)}", cfg))
     checkpoint_utils.save_checkpoint(config_for_a_signal_save(cfg.checkpoint),
                                      trainer, epoch_itr, None)
 

@@ -49,7 +49,15 @@ def config_keys_by_flag(cfg: Mapping[str, Any]) -> dict[str, str]:
         for key in _keys_of(cfg.get(group)):
             if isinstance(key, str) and not key.startswith("_"):
                 keys.setdefault("--" + key.replace("_", "-"), f"{group}.{key}")
+    # the flags that choose a component: its group's _name (T1 #6, session 25)
+    for flag, group in _CHOOSING.items():
+        if group in cfg:
+            keys[flag] = f"{group}._name"
     return keys
+
+
+_CHOOSING = {"--task": "task", "--criterion": "criterion", "--optimizer": "optimizer",
+             "--lr-scheduler": "lr_scheduler", "--arch": "model"}
 
 
 def _keys_of(section: Any) -> list[Any]:
@@ -58,6 +66,12 @@ def _keys_of(section: Any) -> list[Any]:
     if isinstance(section, argparse.Namespace):
         return list(vars(section))
     return list(section.keys()) if hasattr(section, "keys") else []
+
+
+def as_written(message: str, cfg: Mapping[str, Any]) -> str:
+    """``message`` in the names the user wrote: Hydra's keys in a Hydra job
+    (:func:`in_hydra_keys`), else as it is (fairseq-train's flags)."""
+    return in_hydra_keys(message, cfg) if running_under_hydra() else message
 
 
 def in_hydra_keys(message: str, cfg: Mapping[str, Any]) -> str:

@@ -367,7 +367,8 @@ def test_flags_in_errors_are_named_by_the_group_that_owns_the_key() -> None:
 
     job = {"task": {"seed": 1, "layers_per_unit": 0, "_name": "sharded_translation"},
            "optimizer": {"lr": [0.1]}, "common": {"seed": 1}, "optimization": {"lr": [0.1]},
-           "model": argparse.Namespace(share_all_embeddings=True)}
+           "model": argparse.Namespace(share_all_embeddings=True),
+           "criterion": {"_name": "chunked_label_smoothed_cross_entropy"}}
     assert in_hydra_keys(
         "--seed, --lr, --layers-per-unit 0 and --share-all-embeddings; torchrun "
         "--nproc_per_node 2, /data/a--seed, /data/--seed/x.pt, ./--lr", job) == (
@@ -377,3 +378,6 @@ def test_flags_in_errors_are_named_by_the_group_that_owns_the_key() -> None:
     # a line opening with a flag and its value opens with the override as Hydra reads it
     assert in_hydra_keys("--layers-per-unit 0: give 1 or more", job) == (
         "task.layers_per_unit=0: give 1 or more")
+    # the flags that choose a component name its group's _name (they stayed flags, T1 #6)
+    assert in_hydra_keys("--criterion chunked is not supported with --arch x", job) == (
+        "criterion._name chunked is not supported with model._name x")

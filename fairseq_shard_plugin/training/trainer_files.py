@@ -54,7 +54,7 @@ from fairseq_shard_plugin.checkpoint.stock_optimizer_state import (
     adopt_stock_optimizer_state,
     layout_problem,
 )
-from fairseq_shard_plugin.hydra_keys import in_hydra_keys, running_under_hydra
+from fairseq_shard_plugin.hydra_keys import as_written, running_under_hydra
 from fairseq_shard_plugin.run_hooks import checkpoint_read
 from fairseq_shard_plugin.sharding.full_state import share_tied_tensors, tied_parameter_names
 from fairseq_shard_plugin.sharding.options import checkpoint_format
@@ -333,7 +333,7 @@ def _say_what_the_resume_keeps(trainer: Any, reset_optimizer: bool, filename: st
         else changed_batching(state, trainer.cfg.dataset, trainer.cfg.common.seed)]
     for notice in notices:
         if notice:
-            logger.warning(f"{filename}: {in_hydra_keys(notice, trainer.cfg) if hydra else notice}")
+            logger.warning(f"{filename}: {as_written(notice, trainer.cfg)}")
 
 
 # the plugin's chunked criterion computes the stock one's loss, and neither keeps state
