@@ -225,7 +225,6 @@ from fairseq_shard_plugin.checkpoint.portable import (
     with_model_namespace,
 )
 from fairseq_shard_plugin.checkpoint.reading import NotACheckpointError, read_checkpoint
-from fairseq_shard_plugin.checkpoint.save_dir_claim import claimed_save_dir
 from fairseq_shard_plugin.checkpoint.stock_optimizer_state import give_to_stock_optimizer
 from fairseq_shard_plugin.errors import ShardPluginError, exit_with, tell_the_launcher
 from fairseq_shard_plugin.hydra_keys import as_written
@@ -233,22 +232,18 @@ from fairseq_shard_plugin.memory.metrics import MaxMeter
 from fairseq_shard_plugin.run_hooks import (
     CheckpointRead,
     active_trainer_loader,
-    mark_export_follows_training,
     note_checkpoint_read,
     settings_of_training,
     stock_trainer_optimizer,
-    training_with,
 )
 from fairseq_shard_plugin.sharding.options import (
     SHARDING_FLAGS,
     options_given,
-    sharding_options,
     take_use_sharded_state,
 )
 from fairseq_shard_plugin.sharding.precision import untie_bf16_from_tpu
 from fairseq_shard_plugin.sharding.settings import launcher_rank, warn_once
 from fairseq_shard_plugin.training.final_saves import (
-    TrainingAlreadyFinished,
     config_for_a_signal_save,
     ends_without_a_save,
 )
@@ -258,7 +253,7 @@ from fairseq_shard_plugin.training.launch_env import (
     uses_cuda,
 )
 from fairseq_shard_plugin.training.private_state import with_private_loaded_state
-from fairseq_shard_plugin.training.signal_stop import stopped_by
+from fairseq_shard_plugin.training.train_then_export import TrainThenExport, first_failure
 from fairseq_shard_plugin.training.validation import (
     check_a_lost_last_checkpoint,
     check_any_backend,
@@ -360,74 +355,6 @@ def _select_trainer(stock_trainer: type) -> Callable[..., Any]:
     return make_trainer
 
 
-class _TrainThenExport:
-    """``main`` (the training), then ``--export-consolidated`` on rank 0. A class, not a
-    closure: fairseq's own multi-GPU launch (``fairseq-train`` without torchrun) pickles
-    ``main`` into the processes it spawns."""
-
-    def __init__(self, main: Callable[..., Any]) -> None:
-        self.main = main
-
-    def __call__(self, cfg: Any, **kwargs: Any) -> Any:
-        mark_export_follows_training()
-        result = None
-        settings = _settings_of(cfg)
-        save_dir = (contextlib.nullcontext() if cfg.checkpoint.no_save
-                    or "://" in cfg.checkpoint.save_dir  # remote storage: fairseq's own
-                    else claimed_save_dir(cfg.checkpoint.save_dir))
-        with save_dir:  # held through the export, which reads the save dir's last save
-            try:
-                with training_with(settings):
-                    result = self.main(cfg, **kwargs)
-            except TrainingAlreadyFinished as finished:  # (every rank, at the same update)
-                logger.info(as_written(str(finished), cfg))
-            signum = stopped_by()
-            if signum is not None:  # saved and stopped early (hook 9): not the final model
-                name = signal.Signals(signum).name
-                tell_the_launcher(as_written(  # torchrun's summary: a requested stop
-                    f"fairseq-shard-plugin: stopped on {name} (exit code {128 + signum}) "
-                    + ("without saving (--no-save)" if cfg.checkpoint.no_save else
-                       "after saving checkpoint_last.pt: the same command resumes"), cfg))
-                sys.exit(128 + signum)
-            target = sharding_options(cfg.task).export_consolidated
-            if target:
-                self._export(cfg, target)
-        return result
-
-    @staticmethod
-    def _export(cfg: Any, target: str) -> None:
-        """Rank 0 exports; every rank learns how it went (the others waited in fairseq's
-        last barrier and died there in a gloo traceback when rank 0 failed, T2 #5)."""
-        failure = None
-        if cfg.distributed_training.distributed_rank == 0:
-            from fairseq_shard_plugin.checkpoint.consolidate import export_consolidated
-
-            last = f"checkpoint_last{cfg.checkpoint.checkpoint_suffix}.pt"
-            try:
-                written = export_consolidated(os.path.join(cfg.checkpoint.save_dir, last),
-                                              target)
-                logger.info(f"exported the final model to {os.path.abspath(written)}")
-            except ShardPluginError as error:
-                failure = error
-        failed = _first_failure(failure)
-        if failed is not None:
-            raise WriteError(f"{failed} (the training itself finished: once that is fixed, "
-                             "the same command exports without training)")
-
-
-def _settings_of(cfg: Any) -> Any:
-    """The sharding settings of this rank's training (the process group joined first: a
-    single process without torchrun has none yet)."""
-    import torch.distributed as dist
-
-    from fairseq_shard_plugin.sharding.settings import ShardingSettings
-    from fairseq_shard_plugin.training.launch_env import ensure_process_group
-
-    use_cuda = uses_cuda(cfg)
-    ensure_process_group(cfg, use_cuda)
-    return ShardingSettings.from_config(cfg, dist.get_world_size(), use_cuda)
-
-
 def _checked_configuration(cfg: Any) -> bool:
     """Apply the launcher's variables and check the configuration before fairseq starts;
     whether the run is sharded (else the plugin's options without effect are named)."""
@@ -474,7 +401,7 @@ def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[
                 names=("LOCAL_RANK", "SLURM_LOCALID")) in (None, 0)
                 or not os.environ.get("TORCHELASTIC_ERROR_FILE"))
         try:  # every one-line error of the training and the export, on every rank
-            return stock_call_main(cfg, _TrainThenExport(main) if sharded else main, **kwargs)
+            return stock_call_main(cfg, TrainThenExport(main) if sharded else main, **kwargs)
         except ShardPluginError as error:
             exit_with(_error_line(error, cfg))
 
@@ -536,7 +463,7 @@ def _with_atomic_copies(stock_save: Callable[..., Any]) -> Callable[..., Any]:
             failure = _naming_what_was_written(error, trainer.written_whole)
         # the saving rank alone writes the files: the others learn of its failure here,
         # and stop with the same line instead of a broken connection at the next step
-        failed = _first_failure(failure)
+        failed = first_failure(failure)
         if failed is not None:
             raise save_failure(failure or WriteError(failed), cfg.save_dir) from failure
         if saving_rank and not cfg.no_save:
@@ -562,16 +489,6 @@ def _naming_what_was_written(error: WriteError, written: str | None) -> WriteErr
     return WriteError(f"{error}; {name} was written whole before it: to resume from its "
                       "update rather than checkpoint_last.pt's, copy it over "
                       "checkpoint_last.pt first")
-
-
-def _first_failure(failure: Exception | None) -> str | None:
-    """Collective: the first failed write among every rank's (``failure`` is this rank's),
-    as its message, or None when every rank's save succeeded."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return None if failure is None else str(failure)
-    failures: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, None if failure is None else str(failure))
-    return next((text for text in failures if text is not None), None)
 
 
 def _full_tensors_of_index(path: str, index: dict[str, Any]) -> dict[str, Any]:

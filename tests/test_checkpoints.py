@@ -764,7 +764,7 @@ def test_consolidate_refuses_to_average_other_models_or_several_without_the_flag
 
 @pytest.mark.parametrize(
     ("damage", "named"),
-    [("truncated", "checkpoint_last.pt: unreadable checkpoint ("),
+    [("truncated", "checkpoint_last.pt: truncated checkpoint ("),
      ("corrupted", "checkpoint_last.pt: corrupted checkpoint: archive/data/")],
 )
 def test_consolidate_refuses_a_damaged_checkpoint_in_one_line(
@@ -827,7 +827,7 @@ def test_verify_tells_damaged_checkpoints_from_intact_ones(
     assert stopped.value.code == 1
     out = capsys.readouterr().out
     assert f"{full / 'checkpoint_1_20.pt'}: corrupted checkpoint: archive/" in out
-    assert f"{full / 'checkpoint_1_30.pt'}: unreadable checkpoint (" in out
+    assert f"{full / 'checkpoint_1_30.pt'}: truncated checkpoint (" in out
     assert f"{full / 'checkpoint_1_40.pt'}: ok (full, update 40, resumes in epoch 1)" in out
     assert f"{sharded / 'checkpoint_1_30.pt'}: corrupted checkpoint: " in out
     # checkpoint_best.pt is an index of the same update-30 shards: damaged with them

@@ -365,9 +365,9 @@ def test_the_wrapped_training_entry_survives_fairseqs_own_spawn() -> None:
 
     import fairseq_cli.train as train_cli
 
-    from fairseq_shard_plugin.fairseq_integration import _TrainThenExport
+    from fairseq_shard_plugin.training.train_then_export import TrainThenExport
 
-    unpickled = pickle.loads(pickle.dumps(_TrainThenExport(train_cli.main)))
+    unpickled = pickle.loads(pickle.dumps(TrainThenExport(train_cli.main)))
     assert unpickled.main is train_cli.main
 
 
