@@ -170,7 +170,8 @@ def guard_data_workers() -> None:
             stop = _current.killed_by(str(error)) if _current is not None else None
             if stop is None:
                 raise
-            _current._record(stop, frame)
+            if _current.received is None:  # torch reports the dead worker at every later
+                _current._record(stop, frame)  # SIGCHLD: not a second signal
 
     on_child.stop_aware = True  # type: ignore[attr-defined]
     signal.signal(signal.SIGCHLD, on_child)
