@@ -371,3 +371,15 @@ def test_a_layer_spec_stock_fairseq_would_run_is_neither_exported_nor_called_ok(
                                                           tmp_path / "model.pt"),
                           weights_only=True)
     assert exported["cfg"]["model"]["encoder_layers"] == "[(64, 3)] * 2 + [(64, 1)]"
+
+
+def test_a_config_that_is_no_mapping_is_called_unusable(tmp_path: Path) -> None:
+    """A whole cfg crafted as an argparse Namespace: verify called it ok, consolidate took
+    it, and the plugin's own generate ended in omegaconf's traceback (T2 #3, session 25)."""
+    path = _training_checkpoint(tmp_path / "checkpoint_1_4.pt", 4)
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "cfg": argparse.Namespace(model=argparse.Namespace())}, path)
+    verdict = verify.check(path)
+    assert not verdict.intact
+    assert verdict.line == (f"{path}: not a usable fairseq checkpoint (its cfg is a "
+                            "Namespace, not a config mapping)")

@@ -139,6 +139,11 @@ def check(path: Path) -> Verdict:
     misshapen = _misshapen_field(state)
     if misshapen:
         return Verdict(path, False, f"{path}: not a usable fairseq checkpoint ({misshapen})")
+    cfg = state.get("cfg")
+    if cfg is not None and not isinstance(cfg, Mapping):  # fairseq writes a config mapping
+        # (a crafted Namespace passed here and failed generation in omegaconf, T2 #3)
+        return Verdict(path, False, f"{path}: not a usable fairseq checkpoint (its cfg is "
+                       f"{_a(type(cfg).__name__)}, not a config mapping)")
     unsafe = unsafe_spec(state)
     if unsafe:
         return Verdict(path, False, f"{path}: not a usable fairseq checkpoint ({unsafe})")
