@@ -66,6 +66,17 @@ def unknown_group_key(config: DictConfig) -> str | None:
 
     from fairseq.dataclass.configs import FairseqConfig
 
+    groups = {group.name: group.type for group in dataclasses.fields(FairseqConfig)}
+    for key in config:  # a misspelt group, or a key without one (T4 #3, session 25)
+        if key in groups or key == "hydra":
+            continue
+        owners = [f"{name}.{key}" for name, kind in groups.items()
+                  if dataclasses.is_dataclass(kind)
+                  and key in {field.name for field in dataclasses.fields(kind)}]
+        close = owners or difflib.get_close_matches(
+            str(key), list(groups), n=1, cutoff=0.7)
+        hint = f": did you mean {close[0]}?" if close else ""
+        return f"{key}: not a group of fairseq's config{hint}"
     for group in dataclasses.fields(FairseqConfig):
         node = config.get(group.name)
         if not dataclasses.is_dataclass(group.type) or not isinstance(node, DictConfig):

@@ -782,6 +782,9 @@ def test_consolidate_refuses_a_damaged_checkpoint_in_one_line(
     message = str(stopped.value.code)
     assert "\n" not in message and message.startswith("fairseq-shard-consolidate: error: ")
     assert named in message and ("truncated" in message or "CRC-32" in message)
+    # what to do, as every other line for a damaged file says (T4 #6, session 25)
+    assert message.endswith("export an intact checkpoint instead (fairseq-shard-verify "
+                            "SAVE_DIR lists them)"), message
     assert not (tmp_path / "out.pt").exists()
 
 

@@ -506,6 +506,14 @@ def test_a_hydra_config_gives_the_same_estimate_as_its_flags(
     alone = run(["--config", one_gpu])
     assert alone["setup"]["world_size"] == 1 and alone["assumed"] == ["--vocab 256206"]
     assert run(["--config", one_gpu, "--world-size", "4"])["setup"]["world_size"] == 4
+    # configs given in turn compose as the one-GPU config composes them (the last one alone
+    # was read, T4 #4)
+    composed = run(["--config", str(REPO / "configs" / "nllb" / "finetune_3_3b.yaml"),
+                    "--config", str(REPO / "configs" / "nllb" / "hardware" /
+                                    "one_24gb_gpu.yaml")])
+    for report in (alone, composed):
+        report.pop("_estimates")
+    assert composed == alone
     completed = cli["adafactor config"]
     adafactor = completed.args[-1]
     assert completed.returncode != 0

@@ -206,6 +206,11 @@ def test_every_plugin_option_is_listed_in_the_configs(config: str) -> None:
      "optimization.max_update?"),
     ("+checkpoint.no_such_key=1", "checkpoint.no_such_key: not an option of fairseq's "
      "checkpoint"),
+    # a misspelt group, a key without its group (T4 #3)
+    ("+optimisation.max_update=3",
+     "optimisation: not a group of fairseq's config: did you mean optimization?"),
+    ("+max_update=3",
+     "max_update: not a group of fairseq's config: did you mean optimization.max_update?"),
     ("criterion.loss_chunk_tokens=abc",  # the callback checked task.* only
      "criterion.loss_chunk_tokens: Value 'abc' of type 'str' could not be converted to "
      "Integer"),

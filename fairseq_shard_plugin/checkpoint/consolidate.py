@@ -127,7 +127,10 @@ def _load(path: Path, map_location: str) -> Any:
     try:
         state = read_checkpoint(path, map_location)
     except Exception as error:
-        raise ConsolidateError(describe_unreadable(path, error)) from error
+        line = describe_unreadable(path, error)
+        damaged = any(f"{path}: {kind} checkpoint (" in line for kind in ("truncated",
+                                                                        "unreadable"))
+        raise ConsolidateError(f"{line}; {_EXPORT_HINT}" if damaged else line) from error
     damaged = [] if is_sharded_index(state) else damaged_zip_entries(path)
     if damaged:
         raise ConsolidateError(corruption_message(path, damaged))

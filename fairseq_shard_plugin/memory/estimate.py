@@ -67,10 +67,13 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 usage=f"{PROG} [options] [-- fairseq-train arguments]",
                                 epilog=EPILOG)
-    p.add_argument("--config", help="a fairseq-hydra-train config (e.g. configs/nllb/"
-                   "dense_600m.yaml): its model, precision, optimizer, criterion, max tokens "
-                   "and plugin keys become the defaults; flags given as well override them "
-                   "(not with a training command after --, which describes the whole run)")
+    p.add_argument("--config", action="append",
+                   help="a fairseq-hydra-train config (e.g. configs/nllb/dense_600m.yaml): its "
+                   "model, precision, optimizer, criterion, max tokens and plugin keys become "
+                   "the defaults; flags given as well override them (not with a training "
+                   "command after --, which describes the whole run); repeated, the configs "
+                   "compose in order, as Hydra's + groups do (--config finetune_3_3b.yaml "
+                   "--config hardware/one_24gb_gpu.yaml)")
     p.add_argument("--arch", default="nllb_dense_600m",
                    help="any registered fairseq encoder-decoder transformer arch (default: "
                    "%(default)s, NLLB-600M's shape)")
@@ -133,16 +136,14 @@ def parser() -> argparse.ArgumentParser:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """Flags, with defaults from ``--config`` where one is given."""
     p = parser()
-    config = p.parse_known_args(argv)[0].config
     from_config: dict[str, Any] = {}
-    if config is not None:
+    options = {a.dest: a.choices for a in p._actions if a.dest not in ("help", "config", "json")}
+    for config in p.parse_known_args(argv)[0].config or ():  # later ones override (T4 #4)
         try:
-            options = {a.dest: a.choices for a in p._actions
-                       if a.dest not in ("help", "config", "json")}
-            from_config = defaults_from_hydra_config(config, options)
-            p.set_defaults(**from_config)
+            from_config.update(defaults_from_hydra_config(config, options))
         except ValueError as error:
             raise EstimateError(f"--config {config}: {error}") from None
+    p.set_defaults(**from_config)
     parsed = p.parse_args(argv)
     given = {flag.split("=")[0] for flag in argv or () if flag.startswith("--")}
     # the run's defining values that came from neither a flag nor the config

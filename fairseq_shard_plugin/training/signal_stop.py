@@ -21,6 +21,7 @@ thread sees it through the signal module's wakeup fd, as Python runs no handler 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -77,6 +78,7 @@ class SignalStop:
         for signum in self.signals:
             signal.signal(signum, self._record)
         self._watch_while_blocked()
+        _keep_forked_workers_running()
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
@@ -148,15 +150,55 @@ class SignalStop:
         return value or None
 
 
+def _keep_forked_workers_running() -> None:
+    """Block the stop signals in every process this one forks from now on: its DataLoader
+    workers. A scheduler signals the whole process group (``scancel``, ``timeout``, Slurm's
+    time limit), and torch's worker dies of SIGTERM from anyone but its parent; the rank then
+    met "DataLoader worker ... exited unexpectedly" wherever it needed their next batch, in
+    validation or within an update, before the stop's save (T1 #1, T4 #1-#2, session 25).
+    Blocked, the signal stays pending in the worker, which keeps serving batches; it ends
+    when its loader shuts it down, or when it sees that the rank is gone; at exit, where
+    multiprocessing would end it with SIGTERM and wait, :func:`_end_daemon_children` ends
+    it first. Processes started by ``subprocess`` are not affected (they run no fork
+    handlers)."""
+    global _blocking_in_children
+    if _blocking_in_children:
+        return
+
+    def block_in_child() -> None:
+        if _current is not None and _current.signals:
+            signal.pthread_sigmask(signal.SIG_BLOCK, _current.signals)
+
+    os.register_at_fork(after_in_child=block_in_child)
+    atexit.register(_end_daemon_children)  # runs before multiprocessing's (registered first)
+    _blocking_in_children = True
+
+
+def _end_daemon_children() -> None:
+    """At exit: multiprocessing ends the daemonic children (a loader's workers still
+    running, mid-epoch) with SIGTERM and waits for them; they block it, so they get SIGKILL
+    here first (SIGCHLD reset: torch's handler would report each as a failed worker)."""
+    import multiprocessing
+
+    daemons = [child for child in multiprocessing.active_children() if child.daemon]
+    if not daemons:
+        return
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in daemons:
+        child.kill()
+    for child in daemons:
+        child.join(timeout=5)
+
+
 def guard_data_workers() -> None:
-    """A scheduler signals the whole process group (``scancel``, ``timeout``, Slurm's time
-    limit), so the rank's DataLoader workers get the stop signal too, and torch's worker
-    dies of it where the sender is not its parent. torch's SIGCHLD handler then raised
-    "DataLoader worker ... is killed by signal" in the middle of the step, before the
+    """A DataLoader worker killed by a stop signal all the same (one forked before the
+    trainer installed the stop, or a signal sent to it alone): torch's SIGCHLD handler
+    raised "DataLoader worker ... is killed by signal" in the middle of the step, before the
     stop's save (T1 #1, session 25). Wrapped here (torch installs its handler with the
-    first worker, in the main thread): a worker killed by one of the stop signals counts
-    as this rank receiving it, and the save goes on; any other death raises as before.
-    Called before every step; a no-op once the current handler is wrapped."""
+    first worker, in the main thread): such a death counts as this rank receiving the
+    signal, and the save goes on where no later batch is needed; any other death raises as
+    before. Called before every step; a no-op once the current handler is wrapped."""
     handler = signal.getsignal(signal.SIGCHLD)
     if (_current is None or not _current.signals or not callable(handler)
             or getattr(handler, "stop_aware", False)
@@ -179,6 +221,7 @@ def guard_data_workers() -> None:
 
 _current: SignalStop | None = None
 _watching = False  # the wakeup-fd thread runs (one a process)
+_blocking_in_children = False  # the fork handler of _keep_forked_workers_running is in
 
 
 def install(signals: tuple[signal.Signals, ...]) -> SignalStop:

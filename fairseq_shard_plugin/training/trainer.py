@@ -38,6 +38,7 @@ from fairseq_shard_plugin.checkpoint.portable import languages_as_lists, with_pl
 from fairseq_shard_plugin.checkpoint.sharded import shard_directory
 from fairseq_shard_plugin.checkpoint.space import full_state_bytes, space_report
 from fairseq_shard_plugin.errors import ShardPluginError
+from fairseq_shard_plugin.hydra_keys import as_written
 from fairseq_shard_plugin.memory.meters import (
     StepMemoryProbe,
     peak_rss_bytes,
@@ -210,7 +211,7 @@ class ShardedTrainer(Trainer):
                     "16-bit parameter shards" if self.settings.sixteen_bit_parameters
                     else "fp32 master shards", peak_rss_bytes() / GIB)
         for hint in cpu_rank_hints(self.settings, use_cuda):
-            logger.warning(hint)
+            logger.warning(as_written(hint, cfg))
         if self.offload and use_cuda:
             # torchrun sets OMP_NUM_THREADS=1; the offloaded optimizer step runs on the host
             threads = host_threads_per_rank()
