@@ -114,9 +114,15 @@ def test_each_line_is_printed_before_the_next_file_is_read(
 
 
 def test_a_rank_file_with_an_odd_cfg_is_described(tmp_path: Path) -> None:
-    """One rank's file of stock fully_sharded state: its world size is read from ``cfg``."""
+    """One rank's file of stock fully_sharded state: its world size is read from ``cfg``,
+    which fairseq writes as a mapping: anything else is named (it was read past)."""
     path = tmp_path / "checkpoint_last-shard1.pt"
     torch.save(_fairseq_state(fsdp_metadata={}, cfg=[1]), path)
+    verdict = verify.check(path)
+    assert not verdict.intact
+    assert verdict.line == (f"{path}: not a usable fairseq checkpoint (its cfg is a list, not "
+                            "a config mapping)"), verdict.line
+    torch.save(_fairseq_state(fsdp_metadata={}, cfg={"distributed_training": [1]}), path)
     verdict = verify.check(path)
     assert not verdict.intact
     assert verdict.line.endswith("without its set's NAME-shard0.pt beside it"), verdict.line
