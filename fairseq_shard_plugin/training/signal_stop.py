@@ -85,13 +85,6 @@ class SignalStop:
             self.received = signum
         self._seen(signum)
 
-    def killed_by(self, worker_error: str) -> int | None:
-        """The stop signal that torch's "DataLoader worker (pid N) is killed by signal:
-        NAME" names, or None (another signal, another error)."""
-        return next((signum for signum in self.signals
-                     if f"is killed by signal: {signal.strsignal(signum)}" in worker_error),
-                    None)
-
     def _seen(self, signum: int) -> None:
         """Note a signal; end the process on a later one before the ranks agreed."""
         now = time.monotonic()
@@ -189,34 +182,6 @@ def _end_daemon_children() -> None:
         child.kill()
     for child in daemons:
         child.join(timeout=5)
-
-
-def guard_data_workers() -> None:
-    """A DataLoader worker killed by a stop signal all the same (one forked before the
-    trainer installed the stop, or a signal sent to it alone): torch's SIGCHLD handler
-    raised "DataLoader worker ... is killed by signal" in the middle of the step, before the
-    stop's save (T1 #1, session 25). Wrapped here (torch installs its handler with the
-    first worker, in the main thread): such a death counts as this rank receiving the
-    signal, and the save goes on where no later batch is needed; any other death raises as
-    before. Called before every step; a no-op once the current handler is wrapped."""
-    handler = signal.getsignal(signal.SIGCHLD)
-    if (_current is None or not _current.signals or not callable(handler)
-            or getattr(handler, "stop_aware", False)
-            or threading.current_thread() is not threading.main_thread()):
-        return
-
-    def on_child(signum: int, frame: FrameType | None) -> None:
-        try:
-            handler(signum, frame)
-        except RuntimeError as error:
-            stop = _current.killed_by(str(error)) if _current is not None else None
-            if stop is None:
-                raise
-            if _current.received is None:  # torch reports the dead worker at every later
-                _current._record(stop, frame)  # SIGCHLD: not a second signal
-
-    on_child.stop_aware = True  # type: ignore[attr-defined]
-    signal.signal(signal.SIGCHLD, on_child)
 
 
 _current: SignalStop | None = None

@@ -502,7 +502,6 @@ class ShardedTrainer(Trainer):
         original error is raised instead, so the log ends with what went wrong. A resumed
         run that is at ``--max-update`` already takes no step (``final_saves``)."""
         refuse_a_step_past_the_end(self.cfg, self.get_num_updates())
-        signal_stop.guard_data_workers()
         if not self._orphans_removed:
             self._remove_orphaned_shards()
         try:
