@@ -66,27 +66,23 @@ def unknown_group_key(config: DictConfig) -> str | None:
 
     from fairseq.dataclass.configs import FairseqConfig
 
-    groups = {group.name: group.type for group in dataclasses.fields(FairseqConfig)}
+    groups = [group.name for group in dataclasses.fields(FairseqConfig)]
+    keys = {group.name: [field.name for field in dataclasses.fields(group.type)]
+            for group in dataclasses.fields(FairseqConfig) if dataclasses.is_dataclass(group.type)}
     for key in config:  # a misspelt group, or a key without one (T4 #3, session 25)
         if key in groups or key == "hydra":
             continue
-        owners = [f"{name}.{key}" for name, kind in groups.items()
-                  if dataclasses.is_dataclass(kind)
-                  and key in {field.name for field in dataclasses.fields(kind)}]
-        close = owners or difflib.get_close_matches(
-            str(key), list(groups), n=1, cutoff=0.7)
+        owners = [f"{group}.{key}" for group, known in keys.items() if key in known]
+        close = owners or difflib.get_close_matches(str(key), groups, n=1, cutoff=0.7)
         hint = f": did you mean {close[0]}?" if close else ""
         return f"{key}: not a group of fairseq's config{hint}"
-    for group in dataclasses.fields(FairseqConfig):
-        node = config.get(group.name)
-        if not dataclasses.is_dataclass(group.type) or not isinstance(node, DictConfig):
-            continue
-        known = [field.name for field in dataclasses.fields(group.type)]
-        for key in node:
+    for group, known in keys.items():
+        node = config.get(group)
+        for key in node if isinstance(node, DictConfig) else ():
             if str(key) not in known:
                 close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.7)
-                hint = f": did you mean {group.name}.{close[0]}?" if close else ""
-                return f"{group.name}.{key}: not an option of fairseq's {group.name}{hint}"
+                hint = f": did you mean {group}.{close[0]}?" if close else ""
+                return f"{group}.{key}: not an option of fairseq's {group}{hint}"
     return None
 
 
