@@ -372,9 +372,12 @@ def _moment_maxima(library: Any, array: ctypes.Array[AdamTensor], constants: Ada
     return largest
 
 
+_NO_MEMORY = 2  # native_adam.c's STEP_NO_MEMORY (STEP_JOIN_FAILED is 1, STEP_OK 0)
+
+
 def _check_native(status: int) -> None:
     """Raise for a failed C step, by ``native_adam.c``'s status codes."""
-    if status == 2:
+    if status == _NO_MEMORY:
         raise MemoryError("the C host Adam step found no host memory for its per-thread "
                           "maxima (a few KiB): the host is out of memory")
     if status:
