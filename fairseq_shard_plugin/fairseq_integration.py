@@ -611,8 +611,8 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
                 raise CheckpointLoadError(str(error).replace(RESUME_HINT, (
                     "use an intact checkpoint (fairseq-shard-verify FILE or SAVE_DIR checks "
                     "them)"))) from error
-        note_checkpoint_read(_what_was_read(path, state, numbered_by))  # the task checks
-        # the model next
+        # the task checks the model next
+        note_checkpoint_read(_what_was_read(path, state, numbered_by))
         optimizer = stock_trainer_optimizer()
         if optimizer is not None and isinstance(state, dict):  # fairseq's own trainer
             give_to_stock_optimizer(path, state, *optimizer())

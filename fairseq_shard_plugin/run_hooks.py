@@ -93,6 +93,7 @@ def stock_trainer_optimizer() -> Callable[[], Any] | None:
     """:func:`loading_into_stock_trainer`'s ``optimizer``, or None."""
     return _stock_optimizers[-1] if _stock_optimizers else None
 
+
 def active_trainer_loader() -> TrainerLoader | None:
     """The loader of the trainer loading a checkpoint now, if any."""
     return _trainer_loaders[-1] if _trainer_loaders else None
