@@ -111,14 +111,17 @@ def test_sigterm_to_the_whole_process_group_saves_with_the_data_workers_signalle
     signal" in the middle of the step, or "exited unexpectedly" where it needed their next
     batch (validation, the rest of an update): no save, a traceback (T1 #1, T4 #1-#2,
     session 25). Here the workers get it first, the worst order: they keep serving, and the
-    rank saves and stops with 128 + SIGTERM."""
+    rank saves and stops with 128 + SIGTERM, leaving no folder of theirs in the temporary
+    directory."""
     args = nllb_sweep_flags(multilingual, tmp_path / "save")
     args[args.index("translation_multi_simple_epoch")] = "sharded_translation_multi_simple_epoch"
     args[args.index("--num-workers") + 1] = "2"
     args.remove("--no-save")
     args += ["--validate-interval-updates", "3", "--data-buffer-size", "1"]
+    temp = tmp_path / "temp"
+    temp.mkdir()
     env = dict(rank_environment(), SIGNAL_UPDATE="3", SIGNAL="SIGTERM", WORKERS_FIRST="1",
-               SIGNAL_IN=during)
+               SIGNAL_IN=during, TMPDIR=str(temp))
     returncode, output = start_ranks(
         [sys.executable, str(REPO / "tests" / "helpers" / "signal_during_update.py"), *args,
          "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded"], 2, env,
@@ -129,6 +132,8 @@ def test_sigterm_to_the_whole_process_group_saves_with_the_data_workers_signalle
     assert "Traceback" not in output and "DataLoader worker" not in output, output[-3000:]
     state = torch.load(tmp_path / "save" / "checkpoint_last.pt", weights_only=True)
     assert state["optimizer_history"][-1]["num_updates"] == int(saved.group(1))
+    # the workers' sockets lived in their rank's temporary folder, removed at its exit
+    assert not list(temp.glob("pymp-*")), sorted(temp.iterdir())
 
 
 def test_nllb_sweep_trains_with_only_user_dir_and_task_changed(

@@ -88,6 +88,7 @@ from fairseq_shard_plugin.training.validation import (
     generating_validation_option,
     ignored_fsdp_flags,
 )
+from fairseq_shard_plugin.training.worker_temp_dir import share_temp_dir_with_data_workers
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +238,7 @@ class ShardedTrainer(Trainer):
         # read after every update by integration hook 9 (save and stop on a signal)
         self.signal_stop = signal_stop.install(
             signal_stop.parse_signals(self.sharding_options.save_on_signal))
+        share_temp_dir_with_data_workers()
         self.saved_at_update: int | None = None  # the update of this run's last save
         self.written_whole: str | None = None  # the current save's first file, once written
 
