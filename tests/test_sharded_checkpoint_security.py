@@ -29,7 +29,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
+    MetadataIndex,
     TensorProperties,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -465,6 +467,27 @@ def test_a_tensor_claiming_more_elements_than_its_bytes_fails_verify(
     verdict = verify.check(index_file)
     assert not verdict.intact
     assert f"model/w claims a chunk of {2**40} elements" in verdict.line, verdict.line
+
+
+def test_overlapping_chunks_that_add_up_to_the_shape_are_refused(
+    genuine: _Genuine, tmp_path: Path
+) -> None:
+    """Chunks were checked to lie inside their tensor and to add up to its elements: two
+    that overlap and add up left rows that no chunk fills (uninitialised memory in a load,
+    zeros in an export), and verify said ok (issue 32's audit)."""
+    index_file, index, directory = genuine.copy(tmp_path / "save")
+    metadata = SafeFileSystemReader(directory).read_metadata()
+    entry = metadata.state_dict_metadata["model/w"]  # 6 x 4, one chunk on one rank
+    stored = metadata.storage_data[MetadataIndex("model/w", entry.chunks[0].offsets)]
+    rows_0_to_2, rows_2_to_4 = (
+        ChunkStorageMetadata(offsets=torch.Size([row, 0]), sizes=torch.Size([3, 4]))
+        for row in (0, 2))  # 24 elements, and row 5 in neither
+    entry.chunks = [rows_0_to_2, rows_2_to_4]
+    metadata.storage_data[MetadataIndex("model/w", rows_2_to_4.offsets)] = stored
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    verdict = verify.check(index_file)
+    assert not verdict.intact
+    assert "gives model/w overlapping chunks" in verdict.line, verdict.line
 
 
 def test_a_changed_offset_in_the_metadata_fails_its_checksum(

@@ -229,9 +229,24 @@ def _chunk_inside(chunk: Any, size: torch.Size) -> bool:
     return all(o + n <= s for o, n, s in zip(chunk.offsets, chunk.sizes, size, strict=True))
 
 
+def _overlap(chunks: list[Any]) -> bool:
+    """Whether two of ``chunks`` (boxes inside one tensor) share an element: swept along
+    the first dimension, where FSDP2's shards follow one another."""
+    boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes))
+    open_boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for offsets, sizes in boxes:
+        open_boxes = [(o, n) for o, n in open_boxes if o[0] + n[0] > offsets[0]]
+        if any(all(b < a + n and a < b + m
+                   for a, n, b, m in zip(o, s, offsets, sizes, strict=True))
+               for o, s in open_boxes):
+            return True
+        open_boxes.append((offsets, sizes))
+    return False
+
+
 def _check_tensor_entry(where: str | Path, fqn: str, entry: Any, storage: dict) -> None:
-    """A tensor's entry: exact types, chunks inside the tensor that cover it, and each
-    chunk's stored bytes at least as many as its elements need."""
+    """A tensor's entry: exact types, chunks inside the tensor that cover it without
+    overlapping, and each chunk's stored bytes at least as many as its elements need."""
     if type(entry) is not TensorStorageMetadata or type(entry.properties) is not \
             TensorProperties or type(entry.properties.dtype) is not torch.dtype \
             or not _is_size(entry.size) or type(entry.chunks) is not list:
@@ -254,6 +269,8 @@ def _check_tensor_entry(where: str | Path, fqn: str, entry: Any, storage: dict) 
         covered += elements
     if covered != math.prod(entry.size):
         raise _refuse(where, f"gives {_shown(fqn)} chunks that do not cover its shape")
+    if entry.size and _overlap(entry.chunks):  # as many elements, some never read
+        raise _refuse(where, f"gives {_shown(fqn)} overlapping chunks")
 
 
 def load_metadata(stream: IO[bytes], where: str | Path) -> Metadata:
