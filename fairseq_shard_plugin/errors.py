@@ -24,9 +24,15 @@ from typing import NoReturn
 class ShardPluginError(Exception):
     """Base of every one-line error of the plugin."""
 
+    #: the same on every rank of a node (from the configuration or the node's files): the
+    #: node's first rank prints it (:func:`prints_here`)
+    node_wide = False
+
 
 class ShardingConfigError(ShardPluginError, ValueError):
     """A configuration the plugin cannot train; the message says what to change."""
+
+    node_wide = True
 
 
 def report_in_one_line() -> None:
@@ -61,6 +67,19 @@ def tell_the_launcher(line: str) -> None:
                 "py_callstack": line, "timestamp": str(int(time.time()))}}}, file)
     except OSError:
         pass  # the line is still on stderr
+
+
+def prints_here(node_wide: bool = True) -> bool:
+    """Whether this rank prints a one-line error. An error every rank of a node meets alike
+    (``node_wide``) is printed by the node's first rank under torchrun, whose closing summary
+    names it for every rank too; under srun, which may kill the printing rank first
+    (``--kill-on-bad-exit``), and for any other error, by every rank."""
+    if not node_wide or not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return True
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name]) == 0
+    return True
 
 
 def exit_with(line: str, status: int = 1, print_it: bool = True) -> NoReturn:

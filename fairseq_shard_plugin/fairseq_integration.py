@@ -226,7 +226,12 @@ from fairseq_shard_plugin.checkpoint.portable import (
 )
 from fairseq_shard_plugin.checkpoint.reading import NotACheckpointError, read_checkpoint
 from fairseq_shard_plugin.checkpoint.stock_optimizer_state import give_to_stock_optimizer
-from fairseq_shard_plugin.errors import ShardPluginError, exit_with, tell_the_launcher
+from fairseq_shard_plugin.errors import (
+    ShardPluginError,
+    exit_with,
+    prints_here,
+    tell_the_launcher,
+)
 from fairseq_shard_plugin.hydra_keys import as_written
 from fairseq_shard_plugin.memory.metrics import MaxMeter
 from fairseq_shard_plugin.run_hooks import (
@@ -362,7 +367,7 @@ def _checked_configuration(cfg: Any) -> bool:
     if not is_sharded_run(cfg):
         check_any_backend(cfg)
         unused = options_given(cfg.task)
-        if unused:
+        if unused and cfg.distributed_training.distributed_rank == 0:  # a line, not one a rank
             logger.warning(
                 f"{', '.join(unused)}: the plugin's options take effect only with "
                 f"--ddp-backend fully_sharded (this run: "
@@ -395,15 +400,12 @@ def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[
     def call_main(cfg: Any, main: Callable[..., Any], **kwargs: Any) -> Any:
         try:  # the configuration's checks: the same on every rank of a node (its files)
             sharded = _checked_configuration(cfg)
-        except ShardPluginError as error:  # one line a node, not one a rank, where
-            # torchrun's summary names it too (srun may kill the printing rank first)
-            exit_with(_error_line(error, cfg), print_it=launcher_rank(
-                names=("LOCAL_RANK", "SLURM_LOCALID")) in (None, 0)
-                or not os.environ.get("TORCHELASTIC_ERROR_FILE"))
-        try:  # every one-line error of the training and the export, on every rank
+        except ShardPluginError as error:  # one line a node, not one a rank
+            exit_with(_error_line(error, cfg), print_it=prints_here())
+        try:  # the training's and the export's one-line errors
             return stock_call_main(cfg, TrainThenExport(main) if sharded else main, **kwargs)
         except ShardPluginError as error:
-            exit_with(_error_line(error, cfg))
+            exit_with(_error_line(error, cfg), print_it=prints_here(error.node_wide))
 
     return _marked(call_main, stock_call_main)
 

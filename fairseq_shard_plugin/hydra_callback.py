@@ -24,6 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, ValidationError
 
 from fairseq_shard_plugin.checkpoint.portable import PLUGIN_KEYS
+from fairseq_shard_plugin.errors import exit_with, prints_here
 
 
 class LoadShardPlugin(Callback):
@@ -36,8 +37,8 @@ class LoadShardPlugin(Callback):
         fairseq_shard_plugin.activate_or_exit()
         problem = (first_unresolvable(config) or unknown_group_key(config)
                    or invalid_component_value(config))
-        if problem:
-            raise SystemExit(f"fairseq-shard-plugin: error: {problem}")
+        if problem:  # the same on every rank: one line a node
+            exit_with(f"fairseq-shard-plugin: error: {problem}", print_it=prints_here())
 
 
 def first_unresolvable(config: DictConfig) -> str | None:

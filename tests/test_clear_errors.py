@@ -26,6 +26,7 @@ from fairseq_shard_plugin.training.validation import (
 from launching.harness import (
     PLUGIN_DIR,
     REPO,
+    free_port,
     rank_environment,
     run_command,
     run_concurrently,
@@ -474,6 +475,37 @@ def test_a_wrong_data_path_is_named_with_the_one_to_give(corpus: Path, tmp_path:
         assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
         assert done.stderr.strip().splitlines()[-1].startswith(
             f"fairseq-shard-plugin: error: {said}"), done.stderr[-500:]
+
+
+def test_a_mistake_every_rank_meets_in_training_is_printed_once_under_torchrun(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """A wrong DATA (found when the task is set up) and a refused optimizer (found when the
+    trainer builds it) were printed by every rank, above torchrun's summary that names each
+    rank's line again (issue 29 #5); the mistake is now printed by the node's first rank."""
+    def torchrun(name: str, data: Path) -> list[str]:
+        return [tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+                tool("fairseq-train"), *training_args(data, tmp_path / name, 2), *TINY,
+                "--user-dir", str(PLUGIN_DIR), "--task", "sharded_translation",
+                "--ddp-backend", "fully_sharded"]
+
+    adafactor = torchrun("optimizer", corpus)
+    betas = adafactor.index("--adam-betas")
+    del adafactor[betas:betas + 2]
+    adafactor[adafactor.index("adam")] = "adafactor"
+    finished = run_concurrently({"data": torchrun("data", corpus.parent),
+                                 "optimizer": adafactor})
+    for name, said in (("data", f"the data directory {corpus.parent} holds the binarised "
+                                f"data in {corpus}: pass {corpus}"),
+                       ("optimizer", "--optimizer adafactor is not element-wise")):
+        done = finished[name]
+        # torchrun's own traceback (its agent raises ChildFailedError), none of a rank's
+        assert done.returncode != 0 and done.stderr.count("Traceback") == 1, done.stderr[-3000:]
+        printed = [line for line in done.stderr.splitlines()
+                   if line.startswith("fairseq-shard-plugin: error: ")]
+        assert len(printed) == 1 and said in printed[0], done.stderr[-3000:]
+        # torchrun's summary still names it for both ranks (their error files)
+        assert done.stderr.count(f"traceback : {printed[0]}") == 2, done.stderr[-3000:]
 
 
 def test_a_restore_file_named_as_in_the_save_dir_is_pointed_there(corpus: Path,

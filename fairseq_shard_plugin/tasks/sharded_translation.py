@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 class DataPathError(ShardPluginError, ValueError):
     """A DATA argument that is not a binarised fairseq directory; says which one to give."""
 
+    node_wide = True
+
 
 def check_data_directory(data: str) -> None:
     """DATA's first directory must hold fairseq-preprocess's ``dict.*.txt``; otherwise one
