@@ -37,7 +37,8 @@ $(BENCH_STAMP): $(STAMP)
 demo: $(BENCH_STAMP)
 	$(PY) -m benchmarks.demo
 
-# Per-rank memory breakdown at the NLLB-600M shape (about 12 minutes and 20 GiB on 2 cores).
+# Per-rank memory breakdown at the NLLB-600M shape (about 12 minutes on 2 cores; its first
+# three rows need more than 23.5 GiB of host memory: a swap file, see docs/memory.md).
 memory: $(BENCH_STAMP)
 	$(PY) -m benchmarks.memory
 

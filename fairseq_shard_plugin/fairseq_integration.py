@@ -233,6 +233,7 @@ from fairseq_shard_plugin.errors import (
     tell_the_launcher,
 )
 from fairseq_shard_plugin.hydra_keys import as_written
+from fairseq_shard_plugin.memory.host_allocator import return_freed_blocks
 from fairseq_shard_plugin.memory.metrics import MaxMeter
 from fairseq_shard_plugin.run_hooks import (
     CheckpointRead,
@@ -378,6 +379,10 @@ def _checked_configuration(cfg: Any) -> bool:
     if allocator and distributed_utils.is_master(cfg.distributed_training):
         logger.info(f"{allocator} (set by the plugin for sharded CUDA runs: less "
                     "memory reserved beyond the peak; set the variable to choose)")
+    host = None if uses_cuda(cfg) else return_freed_blocks()
+    if host and distributed_utils.is_master(cfg.distributed_training):
+        logger.info(f"{host}: set by the plugin for CPU ranks, so that memory freed during a "
+                    "step goes back to the system (set the variable to choose)")
     if take_use_sharded_state(cfg) and distributed_utils.is_master(cfg.distributed_training):
         logger.info("--use-sharded-state: checkpoints in the plugin's sharded format "
                     "(each rank writes its shards; checkpoint_last.pt indexes them)")

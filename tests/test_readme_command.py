@@ -83,6 +83,9 @@ def test_the_readmes_walkthrough_runs_from_data_to_translations(tmp_path: Path) 
     text = (REPO / "README.md").read_text()
     section = text.split("## From data to translations, on a CPU", 1)[1]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    # run from the repository root, it writes there: git leaves it alone
+    if (REPO / ".git").exists():
+        assert subprocess.run(["git", "check-ignore", "-q", "toy/"], cwd=REPO).returncode == 0
     script = re.sub(r"\btoy\b", str(tmp_path / "toy"), block)
     done = run_command(["bash", "-c", "set -eo pipefail\n" + script], cwd=REPO,
                        env=rank_environment(), timeout=600)
@@ -93,6 +96,7 @@ def test_the_readmes_walkthrough_runs_from_data_to_translations(tmp_path: Path) 
     assert (tmp_path / "toy" / "model.pt").is_file()
     assert done.stdout.strip().splitlines()[-1].startswith("Generate test with beam=2: BLEU4 = ")
     assert "sharded over 2 ranks with fsdp2" in output
+    assert "glibc's mmap threshold at 1 MiB (MALLOC_MMAP_THRESHOLD_): set by the plugin" in output
     # FSDP2's warning about views returned by fairseq's transformer classes (harmless: the
     # sharded losses and norms are stock's) no longer fills the screen
     assert "returned a view tensor" not in output
