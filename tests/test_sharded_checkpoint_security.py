@@ -49,6 +49,7 @@ from fairseq_shard_plugin.checkpoint.sharded import (
     ShardedCheckpointError,
     full_tensors,
     load_tensors,
+    mark_as_shard_directory,
     read_shard_metadata,
     save_sharded,
     shard_directory,
@@ -454,6 +455,32 @@ def test_a_shard_file_symlinked_out_of_its_directory_is_refused(
         assert "\n" not in str(error.value)
     verdict = verify.check(index_file)
     assert not verdict.intact and "outside its directory" in verdict.line, verdict.line
+
+
+def test_a_save_dir_copied_with_its_shards_link_is_told_whose_shards_it_reads(
+    genuine: _Genuine, tmp_path: Path
+) -> None:
+    """``cp -a`` of a save dir whose checkpoint_shards is a link to a scratch disk copies
+    the link: the copy's checkpoints read the original's shard directories, which the
+    original's next save may remove (issue 32's audit). verify says so, on the copy only."""
+    original = tmp_path / "original"
+    index_file, index, directory = genuine.copy(original)
+    mark_as_shard_directory(directory, original)  # as saved there
+    scratch = tmp_path / "scratch"
+    shutil.move(original / SHARDS_DIR, scratch)
+    (original / SHARDS_DIR).symlink_to(scratch)
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy, symlinks=True)  # cp -a
+    assert verify.check(original / INDEX).line.endswith("epoch ?)")  # (no position saved)
+    line = verify.check(copy / INDEX).line
+    assert line == (f"{copy / INDEX}: ok (sharded, update ?, resumes in epoch ?; its shards are "
+                           f"{original.resolve()}'s, whose runs remove the shard directories "
+                           "their own checkpoints no longer name: copy them into this save "
+                           "dir (cp -rL) to keep it)"), line
+    shutil.rmtree(copy / SHARDS_DIR, ignore_errors=True)
+    (copy / SHARDS_DIR).unlink(missing_ok=True)
+    shutil.copytree(scratch, copy / SHARDS_DIR)  # cp -rL: the copy's own
+    assert "its shards are" not in verify.check(copy / INDEX).line
 
 
 def test_a_tensor_claiming_more_elements_than_its_bytes_fails_verify(

@@ -204,6 +204,24 @@ def mark_as_shard_directory(directory: Path, save_dir: Path) -> None:
     (directory / MARKER).write_text(_marker_text(directory.name, Path(save_dir).resolve()))
 
 
+def shared_with(index_file: Path, index: dict[str, Any]) -> Path | None:
+    """The other save dir whose runs may remove the index's shard directory: the one its
+    marker names, where that save dir still exists and its ``checkpoint_shards`` is the
+    same directory as this one's (a save dir copied with its ``checkpoint_shards`` link,
+    ``cp -a``). None where the shards are this save dir's own, or unmarked."""
+    directory = shard_directory(index_file, index)
+    try:
+        lines = (directory / MARKER).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    owner = next((Path(line.split(": ", 1)[1]) for line in lines[1:2]
+                  if line.startswith("save dir: ")), None)
+    here = Path(index_file).resolve().parent
+    if owner is None or owner == here or not owner.is_dir():
+        return None
+    return owner if (owner / SHARDS_DIR).resolve() == directory.parent else None
+
+
 def is_plugin_shard_directory(directory: Path, save_dir: Path) -> bool:
     """Whether ``directory`` is a shard directory the plugin created for ``save_dir``: a
     real directory (not a symlink) named ``u<updates>-<hex>`` that holds the plugin's marker

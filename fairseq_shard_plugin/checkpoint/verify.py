@@ -38,6 +38,7 @@ from fairseq_shard_plugin.checkpoint.sharded import (
     ShardedCheckpointError,
     is_sharded_index,
     read_shard_metadata,
+    shared_with,
 )
 
 PROG = "fairseq-shard-verify"
@@ -147,6 +148,7 @@ def check(path: Path) -> Verdict:
     unsafe = unsafe_spec(state)
     if unsafe:
         return Verdict(path, False, f"{path}: not a usable fairseq checkpoint ({unsafe})")
+    note = ""
     if is_sharded_index(state):
         try:
             read_shard_metadata(path, state)
@@ -155,6 +157,11 @@ def check(path: Path) -> Verdict:
         except UnsafeShardFileError as error:
             return Verdict(path, False, f"{path}: {error}")
         kind = "sharded"
+        owner = shared_with(path, state)
+        if owner is not None:  # a copied link: the owner's next cleanup would break this one
+            note = (f"; its shards are {owner}'s, whose runs remove the shard directories "
+                    "their own checkpoints no longer name: copy them into this save dir "
+                    "(cp -rL) to keep it")
     else:
         damaged = damaged_zip_entries(path)
         if damaged:
@@ -171,12 +178,13 @@ def check(path: Path) -> Verdict:
     updates, position = _position(state)
     if saved_without_optimizer_state(state):  # its run's choice: it resumes all the same
         return Verdict(path, True, f"{path}: ok ({kind}, {position}; saved without optimizer "
-                       "state (--no-save-optimizer-state): resumes with a fresh optimizer)",
+                       f"state (--no-save-optimizer-state): resumes with a fresh optimizer{note})",
                        updates, resumable=True)
     if "last_optimizer_state" not in state:
         return Verdict(path, True, f"{path}: ok ({kind}, {position}; no optimizer state: an "
-                       "export for inference, not a checkpoint to resume from)", updates)
-    return Verdict(path, True, f"{path}: ok ({kind}, {position})", updates, resumable=True)
+                       f"export for inference, not a checkpoint to resume from{note})", updates)
+    return Verdict(path, True, f"{path}: ok ({kind}, {position}{note})", updates,
+                   resumable=True)
 
 
 def checkpoint_files(sources: Sequence[str]) -> list[Path]:
