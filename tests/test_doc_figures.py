@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from launching.harness import REPO, tool
+from launching.harness import REPO, run_concurrently, tool
 
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -163,3 +163,45 @@ def test_the_readmes_option_table_lists_every_plugin_option() -> None:
         if not option.name.startswith("_"):
             flag = "--" + option.name.replace("_", "-")
             assert f"| `{flag}` |" in text, flag
+            # its default, as the table writes it (it once said `full` for `auto`)
+            default = option.default
+            written = ("off" if default is False else "none" if default is None
+                       else str(default) if isinstance(default, int) else f"`{default}`")
+            cell = text.split(f"| `{flag}` | ", 1)[1].split(" |", 1)[0]
+            assert cell.split(" (", 1)[0] == written, (flag, cell, written)
+
+
+def estimated_peaks(commands: dict[str, list[str]]) -> dict[str, float]:
+    """Each ``fairseq-shard-estimate`` command's requested peak per rank (GiB, as printed)."""
+    done = run_concurrently({name: [tool("fairseq-shard-estimate"), *args, "--json"]
+                             for name, args in commands.items()})
+    peaks = {}
+    for name, completed in done.items():
+        assert completed.returncode == 0, completed.stderr[-2000:]
+        report = json.loads(completed.stdout[completed.stdout.index("{"):])
+        peaks[name] = report["configurations"]["requested"]["peak_gib"]
+    return peaks
+
+
+@pytest.mark.e2e
+def test_the_docs_estimates_of_the_nllb_configs_are_the_estimators() -> None:
+    """nllb.md and memory.md quote the estimator for the NLLB configs and for the precision
+    modes at 600M: the same figures, or the test names the one that went stale."""
+    configs = {size: ["--config", str(REPO / f"configs/nllb/dense_{size}.yaml"),
+                      "--world-size", "2"] for size in ("600m", "1_3b", "3_3b")}
+    features = ["--arch", "nllb_dense_600m", "--world-size", "2", "--max-tokens", "4096",
+                "--criterion", "chunked_label_smoothed_cross_entropy",
+                "--checkpoint-activations"]
+    modes = {"fp16": ["--fp16"], "fp16 moments": ["--fp16", "--fp16-adam-stats"],
+             "16-bit": ["--memory-efficient-fp16"],
+             "16-bit state": ["--memory-efficient-fp16", "--fp16-adam-stats"]}
+    peaks = estimated_peaks({**configs, **{name: features + extra
+                                           for name, extra in modes.items()}})
+    nllb = " ".join((REPO / "docs" / "nllb.md").read_text().split())
+    assert (f"{peaks['600m']:.2f} GiB per rank at 600M on 2 ranks, {peaks['1_3b']:.2f} at "
+            f"1.3B, {peaks['3_3b']:.2f} at 3.3B") in nllb
+    memory = " ".join((REPO / "docs" / "memory.md").read_text().split())
+    assert f"--world-size 2` ({peaks['1_3b']:.2f} GiB:" in memory
+    assert (f"{peaks['fp16']:.2f} GiB per rank with `--fp16`, {peaks['fp16 moments']:.2f} "
+            f"adding `--fp16-adam-stats`, {peaks['16-bit']:.2f} with "
+            f"`--memory-efficient-fp16`, {peaks['16-bit state']:.2f} adding") in memory
