@@ -159,6 +159,8 @@ def draw(rows: list[dict], updates: int, out: Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print("no demo.png: matplotlib is not installed (make demo installs it, or pip "
+              "install -e '.[bench]')", flush=True)
         return None
     figure, (memory, losses) = plt.subplots(1, 2, figsize=(12, 4.5))
     for row, style in zip(rows, ("-", "--"), strict=True):
