@@ -857,44 +857,57 @@ def _multilingual_task() -> type:
 
 def _unhookable() -> list[str]:
     """The names install() replaces, swaps or overrides that this fairseq lacks or has as
-    something else: each would otherwise leave its hook silently without effect."""
-    from fairseq.trainer import Trainer
-
-    required: list[tuple[Any, str]] = [(train_cli, name) for name in _HOOKED_NAMES] + [
-        (distributed_utils, "call_main"),
-        (checkpoint_utils, "load_checkpoint_to_cpu"),
-        (checkpoint_utils, "save_checkpoint"),
-        (checkpoint_utils, "verify_checkpoint_directory"),
-        (fairseq_utils, "import_user_module"),
-        (checkpoint_utils.PathManager, "copy"),  # hook 5 swaps the module's PathManager
+    something else: each would otherwise leave its hook silently without effect. Each is
+    looked up part by part, so that a missing one is named, not met as an AttributeError."""
+    checkpoints = "fairseq.checkpoint_utils"
+    multilingual = ("fairseq.tasks.translation_multi_simple_epoch",
+                    "TranslationMultiSimpleEpochTask")
+    required = [("fairseq_cli.train", name) for name in _HOOKED_NAMES] + [
+        ("fairseq.distributed.utils", "call_main"),
+        (checkpoints, "load_checkpoint_to_cpu"),
+        (checkpoints, "save_checkpoint"),
+        (checkpoints, "verify_checkpoint_directory"),
+        ("fairseq.utils", "import_user_module"),
+        (checkpoints, "PathManager.copy"),  # hook 5 swaps the module's PathManager
         # the private methods ShardedTrainer overrides (hook 2)
-        (Trainer, "_build_optimizer"),
-        (Trainer, "_reduce_and_log_stats"),
-        (_multilingual_task(), "build_model"),  # hook 13
-        (_multilingual_task(), "setup_task"),
+        ("fairseq.trainer", "Trainer._build_optimizer"),
+        ("fairseq.trainer", "Trainer._reduce_and_log_stats"),
+        (multilingual[0], f"{multilingual[1]}.build_model"),  # hook 13
+        (multilingual[0], f"{multilingual[1]}.setup_task"),
     ]
     if hasattr(checkpoint_utils, "torch_load_cpu"):  # nllb branch only
-        required.append((checkpoint_utils, "torch_load_cpu"))
+        required.append((checkpoints, "torch_load_cpu"))
     unhookable = []
     for name in _LAYER_BUILDERS + _OPTIONAL_LAYER_BUILDERS:  # hook 1, as fairseq builds
         try:
-            required.append((importlib.import_module(name), "fsdp_wrap"))
+            importlib.import_module(name)
         except ModuleNotFoundError:
             if name in _LAYER_BUILDERS:
                 unhookable.append(f"missing {name}")
-    for owner, name in required:
-        value = getattr(owner, name, None)
-        where = getattr(owner, "__module__", None) if isinstance(owner, type) else None
-        shown = f"{where}.{owner.__name__}.{name}" if where else f"{owner.__name__}.{name}"
-        if value is None:
-            unhookable.append(f"missing {shown}")
-        elif not callable(value):
-            unhookable.append(f"{shown} is not callable")
+        else:
+            required.append((name, "fsdp_wrap"))
+    unhookable += filter(None, (_missing_or_not_callable(*names) for names in required))
     import torch
 
     if checkpoint_utils.__dict__.get("torch") is not torch:  # hook 6 swaps it while loading
         unhookable.append("fairseq.checkpoint_utils does not use torch under that name")
     return unhookable
+
+
+def _missing_or_not_callable(module: str, attributes: str) -> str | None:
+    """What is wrong with the callable ``module``.``attributes`` (dotted, as in
+    ``Trainer._build_optimizer``): the first part missing, or the last not callable; or None."""
+    try:
+        value: Any = importlib.import_module(module)
+    except ImportError:
+        return f"missing {module}"
+    shown = module
+    for part in attributes.split("."):
+        shown += f".{part}"
+        value = getattr(value, part, None)
+        if value is None:
+            return f"missing {shown}"
+    return None if callable(value) else f"{shown} is not callable"
 
 
 class UnsupportedFairseqError(ShardPluginError, ImportError):

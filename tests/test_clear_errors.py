@@ -18,10 +18,13 @@ from typing import Any
 
 import pytest
 
+from fairseq_shard_plugin.sharding.optimizer import is_element_wise
+from fairseq_shard_plugin.sharding.precision import untie_bf16_from_tpu
 from fairseq_shard_plugin.training.validation import (
     ShardingConfigError,
     check_sharded_config,
     ignored_fsdp_flags,
+    unwritable_file,
 )
 from launching.harness import (
     PLUGIN_DIR,
@@ -101,6 +104,17 @@ CHECKED = {
     f"--export-consolidated {Path(__file__) / 'model.pt'}: {Path(__file__)} is not a "
     "directory": ["--task", "sharded_translation",
                   "--export-consolidated", str(Path(__file__) / "model.pt")],
+    # a name too long for the file system: Path.is_dir() raised, a traceback of 25 lines
+    f"--export-consolidated {Path(__file__).parent / ('m' * 300 + '.pt')}: File name too "
+    "long (ENAMETOOLONG)": ["--task", "sharded_translation", "--export-consolidated",
+                            str(Path(__file__).parent / ("m" * 300 + ".pt"))],
+    # a name that fits, but not with the export's temporary file's suffix: failed after training
+    "the name is too long for the export's temporary file beside it": [
+        "--task", "sharded_translation", "--export-consolidated",
+        str(Path(__file__).parent / ("m" * 240 + ".pt"))],
+    # os.access says yes to root, which cannot create a file there: it trained, then failed
+    "--export-consolidated /proc/model.pt: /proc does not take a new file": [
+        "--task", "sharded_translation", "--export-consolidated", "/proc/model.pt"],
     # a trailing separator means a directory: it wrote a file under the directory's name
     f"--export-consolidated {Path(__file__).parent / 'exports'}/: refused: it names a "
     "directory (it ends with a separator, . or ..)": [
@@ -438,6 +452,21 @@ def test_a_damaged_checkpoint_at_the_end_of_training_export_ends_in_one_line(
     assert not (tmp_path / "model.pt").exists()
 
 
+def test_the_export_paths_probe_leaves_its_directory_as_it_was(tmp_path: Path) -> None:
+    """The probe's file is new and removed at once; an existing target is not touched, and
+    directories the export would create are not created by the check."""
+    existing = tmp_path / "model.pt"
+    existing.write_bytes(b"weights")
+    before = existing.stat()
+    assert unwritable_file(str(existing)) is None
+    assert list(tmp_path.iterdir()) == [existing]
+    after = existing.stat()
+    assert (after.st_ino, after.st_mtime_ns, existing.read_bytes()) == (
+        before.st_ino, before.st_mtime_ns, b"weights")
+    assert unwritable_file(str(tmp_path / "new" / "sub" / "model.pt")) is None
+    assert list(tmp_path.iterdir()) == [existing]
+
+
 def test_an_unsupported_optimizer_is_named_before_the_precision_it_came_with(
     corpus: Path,
 ) -> None:
@@ -449,6 +478,32 @@ def test_an_unsupported_optimizer_is_named_before_the_precision_it_came_with(
         check_sharded_config(cfg)
     assert str(refused.value).startswith("--optimizer adam8bit is not supported")
     assert "use --optimizer adam" in str(refused.value)
+
+
+@pytest.mark.parametrize("sixteen_bit", ["fp16", "bf16"])
+def test_a_16_bit_optimizer_refusal_advises_only_what_the_plugin_runs(
+    corpus: Path, sixteen_bit: str,
+) -> None:
+    """issue 31 item 4: ``--memory-efficient-fp16 --optimizer adafactor`` advised --fp16 with
+    adafactor, which was then refused as not element-wise: adafactor is refused first, and
+    the optimizers it names pass with the precision named beside them."""
+    with pytest.raises(ShardingConfigError) as refused:
+        check_sharded_config(sharded_config(corpus, "--cpu", "--optimizer", "adafactor",
+                                            f"--memory-efficient-{sixteen_bit}"))
+    line = str(refused.value)
+    assert line == (
+        "--optimizer adafactor is not element-wise, so its sharded state would differ from "
+        f"unsharded training: use adam (fairseq's is AdamW) with --memory-efficient-"
+        f"{sixteen_bit}, or sgd, nag, adadelta, adamax or adagrad with --{sixteen_bit} (fp32 "
+        "master shards) with --ddp-backend fully_sharded")
+    advised = [("adam", f"--memory-efficient-{sixteen_bit}")] + [
+        (optimizer, f"--{sixteen_bit}")
+        for optimizer in ("sgd", "nag", "adadelta", "adamax", "adagrad")]
+    for optimizer, precision in advised:
+        cfg = sharded_config(corpus, "--cpu", "--optimizer", optimizer, precision)
+        untie_bf16_from_tpu(cfg)  # as the plugin does (fairseq's parser implies --tpu)
+        check_sharded_config(cfg)
+        assert is_element_wise(cfg.optimizer), optimizer  # as the optimizer's build checks
 
 
 def test_a_wrong_data_path_is_named_with_the_one_to_give(corpus: Path, tmp_path: Path) -> None:

@@ -73,9 +73,20 @@ def test_a_foreign_functools_wraps_wrapper_is_wrapped_not_taken_for_the_plugins(
      "missing fairseq.models.transformer.transformer_encoder.fsdp_wrap"),
     ("import fairseq.trainer as m; del m.Trainer._reduce_and_log_stats",
      "missing fairseq.trainer.Trainer._reduce_and_log_stats"),
+    ("import fairseq.trainer as m; del m.Trainer._build_optimizer",
+     "missing fairseq.trainer.Trainer._build_optimizer"),
     ("import fairseq.checkpoint_utils as m; m.torch = None",
      "fairseq.checkpoint_utils does not use torch under that name"),
-], ids=["missing", "not-callable", "layer-builder", "trainer-method", "checkpoint-torch"])
+    ("import fairseq.checkpoint_utils as m; del m.torch",
+     "fairseq.checkpoint_utils does not use torch under that name"),
+    # hook 5 swaps the module's PathManager: its check used to stop in an AttributeError
+    ("import fairseq.checkpoint_utils as m; del m.PathManager",
+     "missing fairseq.checkpoint_utils.PathManager"),
+    ("import fairseq.file_io as m; del m.PathManager.copy",
+     "missing fairseq.checkpoint_utils.PathManager.copy"),
+], ids=["missing", "not-callable", "layer-builder", "trainer-method", "trainer-optimizer",
+        "checkpoint-torch", "checkpoint-without-torch", "checkpoint-path-manager",
+        "path-manager-copy"])
 def test_a_fairseq_without_a_hooked_function_fails_in_one_line_naming_its_version(
     break_it: str, said: str,
 ) -> None:

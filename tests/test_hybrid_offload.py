@@ -325,6 +325,39 @@ def test_ranks_started_by_srun_get_torchruns_variables() -> None:
     assert slurm_as_torchrun(dict(srun, SLURM_NTASKS="1"), port=1) == {}
 
 
+SRUN = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+        "SLURM_JOB_NODELIST": "gpu[07-10]", "SLURM_TASKS_PER_NODE": "2(x4)",
+        "SLURM_JOB_ID": "4242"}
+
+
+@pytest.mark.parametrize(("variable", "value", "expected"), [
+    ("SLURM_JOB_NODELIST", "gpu[07", "is not a list of hosts (such as gpu[07-09,12],cpu1)"),
+    ("SLURM_JOB_NODELIST", "gpu07]", "is not a list of hosts"),
+    ("SLURM_JOB_NODELIST", "gpu[a-b]", "is not a list of hosts"),
+    ("SLURM_JOB_NODELIST", "", "is not a list of hosts"),
+    ("SLURM_STEP_NODELIST", "[],cpu1", "is not a list of hosts"),
+    ("SLURM_NODEID", "x", "is not a number (this node's index in the job)"),
+    ("SLURM_NODEID", "-1", "is not a number (this node's index in the job)"),
+    ("SLURM_NTASKS", "eight", "is not a number (the job step's tasks)"),
+    ("SLURM_PROCID", "5.0", "is not a number (this task's rank)"),
+    ("SLURM_LOCALID", "", "is not a number (this task's rank on its node)"),
+    ("SLURM_JOB_ID", "42_7", "is not a number (the job's id)"),
+    ("SLURM_TASKS_PER_NODE", "2(x", "is not a list of task counts per node (such as 2(x3),1)"),
+    ("SLURM_STEP_TASKS_PER_NODE", "two", "is not a list of task counts per node"),
+])
+def test_a_malformed_slurm_variable_is_named_in_one_line(
+    variable: str, value: str, expected: str,
+) -> None:
+    """Not a ValueError's traceback (``not enough values to unpack``, ``invalid literal for
+    int()``) on every rank: the variable, its value and what it should hold."""
+    with pytest.raises(ShardingConfigError) as refused:
+        slurm_as_torchrun(dict(SRUN, **{variable: value}), port=-1)
+    assert str(refused.value).startswith(f"Slurm's {variable}={value} {expected}")
+    assert str(refused.value).endswith(": launch with srun inside the job allocation, or "
+                                       "set the torchrun variables yourself")
+    assert "\n" not in str(refused.value)
+
+
 def test_meter_leaves_host_side_storages_out_of_the_device_peak() -> None:
     shard = torch.zeros(1000)  # 4,000 B, offloaded from the start
     with LiveTensorMeter([], host=[shard]) as meter:

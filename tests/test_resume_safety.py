@@ -67,6 +67,9 @@ def runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, ob
         again = work / backend / "resumed"
         again.mkdir()
         shutil.copyfile(work / backend / "full" / "checkpoint1.pt", again / "checkpoint_last.pt")
+        # a second name for the file resumed from, outside the save dir: it keeps what it
+        # held, and its inode, unless the resume's saves wrote into it in place
+        os.link(again / "checkpoint_last.pt", work / backend / "resumed_from.pt")
         resumed[backend] = lambda b=backend, d=again: _train(corpus, d, b)
     resumed = in_threads(resumed)
     return {"work": work, "full": full, "resumed": resumed}
@@ -83,6 +86,11 @@ def test_a_run_resumed_from_checkpoint1_ends_exactly_as_the_uninterrupted_one(
              for run in ("full", "resumed")]
     assert final[0].keys() == final[1].keys()
     assert all(torch.equal(final[0][name], final[1][name]) for name in final[0])
+    # the resume's saves replaced checkpoint_last.pt with a new file (hook 5 makes fairseq's
+    # copies atomic under a stock backend too) instead of rewriting the one loaded in place
+    resumed_from = work / "resumed_from.pt"
+    assert os.stat(resumed_from).st_ino != os.stat(work / "resumed" / "checkpoint_last.pt").st_ino
+    assert resumed_from.read_bytes() == (work / "full" / "checkpoint1.pt").read_bytes()
 
 
 def test_a_plugin_checkpoint_resumes_under_legacy_ddp_with_its_adam_moments(

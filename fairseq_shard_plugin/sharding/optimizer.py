@@ -47,6 +47,26 @@ logger = logging.getLogger(__name__)
 ELEMENT_WISE_WITHOUT_FLAT_PARAMS = frozenset({"adagrad"})
 
 
+def is_element_wise(optimizer_cfg: Any) -> bool:
+    """Whether fairseq's ``--optimizer`` updates each element on its own (a shard's update is
+    then the unsharded update of its elements), as its optimizer over a stand-in says."""
+    stand_in = optim.build_optimizer(optimizer_cfg, [torch.zeros(1, requires_grad=True)])
+    return (stand_in.supports_flat_params
+            or optimizer_cfg._name in ELEMENT_WISE_WITHOUT_FLAT_PARAMS)
+
+
+def not_element_wise(name: str, sixteen_bit: str | None = None) -> ShardingConfigError:
+    """The refusal of ``--optimizer name``, with the optimizers that work instead (with
+    ``--memory-efficient-{sixteen_bit}`` where given: adam alone keeps 16-bit shards)."""
+    others = "sgd, nag, adadelta, adamax or adagrad"
+    advice = (f"adam (fairseq's is AdamW) with --memory-efficient-{sixteen_bit}, or {others} "
+              f"with --{sixteen_bit} (fp32 master shards)" if sixteen_bit else
+              f"adam (fairseq's is AdamW), {others}")
+    return ShardingConfigError(
+        f"--optimizer {name} is not element-wise, so its sharded state would differ from "
+        f"unsharded training: use {advice} with --ddp-backend fully_sharded")
+
+
 def fp16_adam_stats(optimizer_cfg: Any) -> bool:
     """Whether ``--fp16-adam-stats`` is set (an option of fairseq's Adam only)."""
     return optimizer_cfg._name == "adam" and bool(optimizer_cfg.get("fp16_adam_stats"))
@@ -83,11 +103,7 @@ def build_sharded_optimizer(cfg: Any, params: list[torch.Tensor], settings: Shar
         _fairseq_optimizer_config(cfg.optimizer, own_adam), shards.locals)
     if not (fairseq_optimizer.supports_flat_params
             or cfg.optimizer._name in ELEMENT_WISE_WITHOUT_FLAT_PARAMS):
-        raise ShardingConfigError(
-            f"--optimizer {cfg.optimizer._name} is not element-wise, so its sharded "
-            "state would differ from unsharded training: use adam (fairseq's is AdamW), "
-            "sgd, nag, adadelta, adamax or adagrad with --ddp-backend fully_sharded"
-        )
+        raise not_element_wise(cfg.optimizer._name)
     if own_adam:
         fp16_moments = fp16_adam_stats(cfg.optimizer)
         # chosen for speed alone (fp32 masters on GPUs), or because fairseq's cannot step

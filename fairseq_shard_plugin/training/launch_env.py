@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,8 +36,15 @@ def uses_cuda(cfg: Any) -> bool:
     return torch.cuda.is_available() and not cfg.common.cpu
 
 
-def first_slurm_host(nodelist: str) -> str:
-    """The first host of a Slurm hostlist: ``gpu[07-09,12],cpu1`` -> ``gpu07``."""
+_WHAT_TO_DO = "launch with srun inside the job allocation, or set the torchrun variables yourself"
+_RANGE = r"[0-9]+(?:-[0-9]+)?"
+# one host or bracketed range of hosts of a Slurm hostlist: ``gpu[07-09,12]``, ``rack[2-3]-n1``
+_HOSTLIST_ELEMENT = re.compile(rf"(?:[^\[\],]+|\[{_RANGE}(?:,{_RANGE})*\])+")
+
+
+def first_slurm_host(nodelist: str, variable: str = "SLURM_JOB_NODELIST") -> str:
+    """The first host of a Slurm hostlist: ``gpu[07-09,12],cpu1`` -> ``gpu07``; a
+    :class:`ShardingConfigError` naming ``variable`` where it is no hostlist."""
     depth, end = 0, len(nodelist)
     for index, char in enumerate(nodelist):
         depth += {"[": 1, "]": -1}.get(char, 0)
@@ -44,24 +52,40 @@ def first_slurm_host(nodelist: str) -> str:
             end = index
             break
     first = nodelist[:end]
-    while "[" in first:  # keep the first element of every bracket range
-        head, rest = first.split("[", 1)
-        ranges, tail = rest.split("]", 1)
-        first = head + ranges.split(",")[0].split("-")[0] + tail
-    return first
+    if not _HOSTLIST_ELEMENT.fullmatch(first):
+        raise ShardingConfigError(
+            f"Slurm's {variable}={nodelist} is not a list of hosts (such as "
+            f"gpu[07-09,12],cpu1): {_WHAT_TO_DO}")
+    # keep the first number of every bracketed range
+    return re.sub(r"\[([0-9]+)[^\]]*\]", r"\1", first)
 
 
-def _tasks_on_node(tasks_per_node: str, node_id: int) -> int:
-    """Slurm's ``SLURM_TASKS_PER_NODE`` (``2(x3),1``) read for node ``node_id``."""
+def _slurm_number(environ: Mapping[str, str], name: str, what: str, default: str = "") -> int:
+    """Slurm's variable ``name`` as a number (``default`` where it is not set); a
+    :class:`ShardingConfigError` saying it is ``what`` where it is not a number."""
+    value = environ.get(name, default)
+    if not re.fullmatch(r"[0-9]+", value):
+        raise ShardingConfigError(
+            f"Slurm's {name}={value} is not a number ({what}): {_WHAT_TO_DO}")
+    return int(value)
+
+
+def _tasks_on_node(tasks_per_node: str, node_id: int,
+                   variable: str = "SLURM_TASKS_PER_NODE") -> int:
+    """Slurm's ``SLURM_TASKS_PER_NODE`` (``2(x3),1``, read from ``variable``) for node
+    ``node_id``."""
     node = 0
     for item in tasks_per_node.split(","):
-        count, _, repeat = item.partition("(x")
-        node += int(repeat.rstrip(")")) if repeat else 1
+        found = re.fullmatch(r"([0-9]+)(?:\(x([0-9]+)\))?", item)
+        if found is None:
+            raise ShardingConfigError(
+                f"Slurm's {variable}={tasks_per_node} is not a list of task counts per node "
+                f"(such as 2(x3),1): {_WHAT_TO_DO}")
+        node += int(found[2] or 1)
         if node_id < node:
-            return int(count)
-    raise ShardingConfigError(f"Slurm's SLURM_TASKS_PER_NODE={tasks_per_node} has no node "
-                              f"{node_id} (SLURM_NODEID): launch with srun inside the job "
-                              "allocation, or set the torchrun variables yourself")
+            return int(found[1])
+    raise ShardingConfigError(f"Slurm's {variable}={tasks_per_node} has no node "
+                              f"{node_id} (SLURM_NODEID): {_WHAT_TO_DO}")
 
 
 def slurm_as_torchrun(
@@ -76,20 +100,27 @@ def slurm_as_torchrun(
     """
     if launched_by_torchrun(environ) or not all(v in environ for v in SLURM_RANK_VARIABLES):
         return {}
-    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-    if nodelist is None or int(environ["SLURM_NTASKS"]) < 2:
+    tasks = _slurm_number(environ, "SLURM_NTASKS", "the job step's tasks")
+    nodelist_variable = ("SLURM_STEP_NODELIST" if environ.get("SLURM_STEP_NODELIST")
+                         else "SLURM_JOB_NODELIST" if "SLURM_JOB_NODELIST" in environ else None)
+    if nodelist_variable is None or tasks < 2:
         return {}
-    tasks_per_node = (
-        environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-        or environ.get("SLURM_NTASKS_PER_NODE") or environ["SLURM_NTASKS"]
-    )
-    local_ranks = _tasks_on_node(tasks_per_node, int(environ.get("SLURM_NODEID", "0")))
+    _slurm_number(environ, "SLURM_PROCID", "this task's rank")
+    _slurm_number(environ, "SLURM_LOCALID", "this task's rank on its node")
+    tasks_per_node_variable = next(
+        name for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+                          "SLURM_NTASKS_PER_NODE", "SLURM_NTASKS") if environ.get(name))
+    local_ranks = _tasks_on_node(
+        environ[tasks_per_node_variable],
+        _slurm_number(environ, "SLURM_NODEID", "this node's index in the job", "0"),
+        tasks_per_node_variable)
     if local_ranks == 1 and cuda_devices > 1:
         return {}
     if port <= 0:
-        port = 20000 + int(environ.get("SLURM_JOB_ID", "0")) % 20000
+        port = 20000 + _slurm_number(environ, "SLURM_JOB_ID", "the job's id", "0") % 20000
+    nodelist = environ[nodelist_variable]
     return {
-        "MASTER_ADDR": first_slurm_host(nodelist),
+        "MASTER_ADDR": first_slurm_host(nodelist, nodelist_variable),
         "MASTER_PORT": str(port),
         "WORLD_SIZE": environ["SLURM_NTASKS"],
         "RANK": environ["SLURM_PROCID"],

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import secrets
 from pathlib import Path
 from typing import Any
 
 from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_WRAP
 
+from fairseq_shard_plugin.checkpoint.atomic_files import describe_os_error
 from fairseq_shard_plugin.checkpoint.consolidate import export_target_problem
 from fairseq_shard_plugin.checkpoint.portable import config_entry, saved_without_optimizer_state
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.sharded import SHARDS_DIR, is_sharded_index
 from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.hydra_keys import running_under_hydra
+from fairseq_shard_plugin.sharding.optimizer import is_element_wise, not_element_wise
 from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
 from fairseq_shard_plugin.sharding.settings import shard_group_size
 from fairseq_shard_plugin.torch_support import installed_torch, release
@@ -74,6 +78,8 @@ def _check_fairseq_features(cfg: Any) -> None:
     if (common.memory_efficient_fp16 or common.memory_efficient_bf16) and (
             cfg.optimizer._name != "adam"):
         flag = "fp16" if common.memory_efficient_fp16 else "bf16"
+        if not is_element_wise(cfg.optimizer):  # refused with --fp16/--bf16 too
+            raise not_element_wise(cfg.optimizer._name, sixteen_bit=flag)
         raise ShardingConfigError(
             f"--memory-efficient-{flag} keeps the shards in 16 bits, which only --optimizer "
             f"adam updates in fp32 under the plugin: use --{flag} (fp32 master shards) with "
@@ -176,17 +182,41 @@ def _check_values(cfg: Any) -> None:
 def unwritable_file(target: str) -> str | None:
     """Why a file could not be written at ``target`` (its directories created as needed),
     or None. Checked before training; the export itself still reports what the system
-    refuses."""
+    refuses. An existing directory is probed with a new file (``os.access`` says yes to
+    root, also for ``/proc``); one still to be created, by its nearest existing ancestor."""
     path = Path(target)
-    if path.is_dir():
-        return "it is a directory (name the file, e.g. model.pt inside it)"
-    ancestor = path.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        return f"{ancestor} is not a directory"
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        return f"{ancestor} is not writable"
+    try:
+        if path.is_dir():
+            return "it is a directory (name the file, e.g. model.pt inside it)"
+        ancestor = path.parent
+        while not ancestor.exists() and ancestor != ancestor.parent:
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            return f"{ancestor} is not a directory"
+        if ancestor != path.parent:  # created by the export: its ancestor must allow that
+            return None if os.access(ancestor, os.W_OK | os.X_OK) else (
+                f"{ancestor} is not writable")
+    except OSError as error:  # a name too long, a loop of links, a directory not searchable
+        return describe_os_error(error)
+    return _refuses_new_files(path)
+
+
+def _refuses_new_files(path: Path) -> str | None:
+    """Why ``path``'s directory does not take the export's temporary file, found by creating
+    (exclusively, under a unique hidden name at least as long as that file's
+    ``.NAME.partial-PID@PLACE-RANDOM``) and removing one; None if it does."""
+    probe = path.with_name(f".{path.name}.probe-{os.getpid()}-{secrets.token_hex(12)}")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except OSError as error:
+        if error.errno == errno.ENAMETOOLONG:
+            return (f"the name is too long for the export's temporary file beside it "
+                    f"(.NAME.partial-...): {describe_os_error(error)}")
+        return f"{path.parent} does not take a new file: {describe_os_error(error)}"
+    try:
+        os.unlink(probe)
+    except OSError as error:
+        return f"{path.parent} does not let a new file be removed: {describe_os_error(error)}"
     return None
 
 
