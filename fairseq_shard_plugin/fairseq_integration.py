@@ -601,7 +601,9 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
                 raise  # the sharded trainer names it with the model's shapes at hand
             raise CheckpointLoadError(describe_unreadable(path, error)) from error
         numbered_by = languages_numbering_the_tokens(state)  # (not a path read now)
-        state = languages_as_lists(state)  # a --langs path, as earlier versions saved it
+        # a --langs path, as earlier versions saved it (said where it stays one, except to
+        # the plugin's trainer: a resume saves its own run's list)
+        state = languages_as_lists(state, path, warn=active_trainer_loader() is None)
         loader = active_trainer_loader()
         if loader is not None:
             note_checkpoint_read(_what_was_read(path, state, numbered_by))

@@ -27,9 +27,10 @@ from launching.harness import (
     run_helper,
     run_training,
     training_args,
+    transformer_args,
 )
 
-from tiny_training import REFERENCE_UPDATES, TINY
+from tiny_training import REFERENCE_UPDATES, SHARDED, TINY
 
 pytestmark = pytest.mark.e2e  # launches fairseq processes (make test-unit skips them)
 
@@ -203,18 +204,60 @@ def test_16_bit_state_is_8_bytes_per_parameter_and_reloads_on_three_ranks(
     assert len({saved[name].untyped_storage().data_ptr() for name in tied}) == 1
 
 
-@pytest.mark.parametrize("precision", list(FLAGS))
+# A model whose checkpoint is mostly what its tensors' bytes leave out (the pickled config
+# and meters, a zip record per tensor): the log announced 25% less than was written.
+SMALL = transformer_args(dim=16, ffn=32, layers=1)
+SMALL_FLAGS = {"small fp32": [], "small memory-efficient bf16": ["--memory-efficient-bf16"],
+               "small sharded fp16": ["--fp16", *SHARDED]}
+
+
+@pytest.fixture(scope="module")
+def small_runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The save dirs of 2-update trainings of :data:`SMALL` (:data:`SMALL_FLAGS`)."""
+    def job(name: str) -> Callable[[], Path]:
+        save_dir = tmp_path_factory.mktemp(name.replace(" ", "_"))
+        args = training_args(corpus, save_dir, 2) + SMALL + [
+            "--task", "sharded_translation", *SMALL_FLAGS[name]]
+
+        def train() -> Path:
+            run = run_training(args, nproc=2, plugin=True)
+            (save_dir / "train.log").write_text(run.output)
+            return save_dir
+
+        return train
+
+    trained = in_threads({name: job(name) for name in SMALL_FLAGS})
+    return {name: result_of(trained, name) for name in trained}
+
+
+def _written_bytes(save_dir: Path) -> int:
+    """checkpoint_last.pt's size, with the shard directory its index refers to."""
+    index = save_dir / "checkpoint_last.pt"
+    shards = torch.load(index, weights_only=True).get("sharded_checkpoint")
+    files = [index, *((save_dir / shards["dir"]).rglob("*") if shards else ())]
+    return sum(file.stat().st_size for file in files if file.is_file())
+
+
+@pytest.mark.parametrize("precision", ["fp32", *FLAGS, *SMALL_FLAGS])
 def test_the_checkpoint_size_in_the_log_is_what_is_written(
-    runs: dict[str, RunResult], precision: str
+    precision: str, request: pytest.FixtureRequest
 ) -> None:
     """The log's size of a checkpoint, in every precision mode: a full checkpoint stores
-    16-bit tensors as fp32 (it once announced half of what was written)."""
-    run = runs[precision]
-    lines = [line for line in run.output.splitlines() if "checkpoints of this run: about " in line]
+    16-bit tensors as fp32 (it once announced half of what was written), and a small
+    model's is mostly the config and a record per tensor, besides the tensors' bytes."""
+    if precision in SMALL_FLAGS:
+        save_dir = request.getfixturevalue("small_runs")[precision]
+        output = (save_dir / "train.log").read_text()
+    else:  # the module's runs
+        run = request.getfixturevalue("runs")[precision]
+        save_dir = (request.getfixturevalue("sharded_tiny_run")[1] if precision == "fp32"
+                    else run.save_dir)
+        output = run.output
+    lines = [line for line in output.splitlines() if "checkpoints of this run: about " in line]
     assert len(lines) == 1, lines
     value, unit = re.search(r"about ([0-9.]+) (KiB|MiB|GiB) each", lines[0]).groups()
     announced = float(value) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
-    written = (run.save_dir / "checkpoint_last.pt").stat().st_size  # type: ignore[attr-defined]
+    written = _written_bytes(save_dir)
     assert abs(announced - written) / written < 0.10, (announced, written)
 
 

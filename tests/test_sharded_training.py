@@ -150,7 +150,8 @@ def test_the_log_says_how_large_a_checkpoint_is_before_the_first_save(
     assert len(lines) == 1 and f"free in {save_dir}" in lines[0]
     announced = float(re.search(r"about ([0-9.]+) MiB each", lines[0]).group(1))
     written = (save_dir / "checkpoint_last.pt").stat().st_size / 2**20
-    assert abs(announced - written) / written < 0.15  # the rest: fairseq's metadata
+    # (within 15% before the pickled config and the zip records were counted)
+    assert abs(announced - written) / written < 0.03, (lines[0], written)
 
 
 def test_chunked_criterion_and_activation_checkpointing_match_stock_with_a_lower_peak(

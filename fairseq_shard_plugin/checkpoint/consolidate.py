@@ -53,6 +53,7 @@ from fairseq_shard_plugin.checkpoint.portable import (
     languages_numbering_the_tokens,
     portable_state,
     stored_language_tokens,
+    unread_langs_problem,
 )
 from fairseq_shard_plugin.checkpoint.reading import (
     NotACheckpointError,
@@ -459,7 +460,12 @@ def export_checkpoints(
         except AveragingError as error:
             raise ConsolidateError(str(error)) from None
         exported = dict(exported, model=model)
-    exported = portable_state(exported)
+    exported = portable_state(exported, paths[0])
+    langs_problem = unread_langs_problem(exported)
+    if langs_problem:  # stock fairseq and the nllb branch need the list, not a path
+        raise ConsolidateError(f"{paths[0]}: {langs_problem}; an export keeps no path: run "
+                               "from the directory the path is relative to (the training's), "
+                               "or copy the file beside the checkpoint; not exported")
     unsafe = unsafe_spec(exported)
     if unsafe:  # stock fairseq loads plain configs: the export would carry the code to it
         raise ConsolidateError(f"{paths[0]}: {unsafe}; not exported")

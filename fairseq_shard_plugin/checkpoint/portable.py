@@ -28,14 +28,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+from fairseq.utils import split_paths
 from omegaconf import DictConfig, open_dict
+from omegaconf.errors import MissingMandatoryValue
 
 from fairseq_shard_plugin.sharding.options import ShardingConfig
+
+logger = logging.getLogger(__name__)
 
 # the plugin's tasks (tasks.sharded_translation, tasks.multilingual_config.TASK_NAME)
 STOCK_TASKS = {"sharded_translation": "translation",
@@ -181,34 +187,91 @@ def _codes_in(text: str, one_a_line: bool) -> list[str] | None:
     return codes if codes and all(_LANGUAGE_CODE.fullmatch(code) for code in codes) else None
 
 
-def _file_text(path: Any) -> str | None:
-    if not isinstance(path, str) or not os.path.isfile(path):
+def _file_text(path: Any, bases: list[str] | None = None) -> str | None:
+    """The text of the file ``path``; a relative one that is not found from the working
+    directory is tried against each of ``bases`` in turn."""
+    if not isinstance(path, str) or not path:
         return None
-    if os.path.getsize(path) > _LANGS_FILE_LIMIT:
+    tried = [path] + ([os.path.join(base, path) for base in bases or ()]
+                      if not os.path.isabs(path) else [])
+    found = next((candidate for candidate in tried if os.path.isfile(candidate)), None)
+    if found is None or os.path.getsize(found) > _LANGS_FILE_LIMIT:
         return None
-    with open(path, encoding="utf-8", errors="replace") as text:
+    with open(found, encoding="utf-8", errors="replace") as text:
         return text.read()
 
 
-def languages_as_lists(state: Any) -> Any:
+def _training_directory(folder: Path, save_dir: Any) -> Path | None:
+    """The directory a training ran in, where ``folder`` (the checkpoint's) still is its
+    relative ``--save-dir``: ``/exp`` for ``/exp/checkpoints`` saved as ``checkpoints``."""
+    if not isinstance(save_dir, str) or not save_dir or os.path.isabs(save_dir):
+        return None
+    parts = [part for part in Path(os.path.normpath(save_dir)).parts if part != "."]
+    if not parts or ".." in parts or list(folder.parts[-len(parts):]) != parts:
+        return None
+    return folder.parents[len(parts) - 1]
+
+
+def _relative_path_bases(state: Any, checkpoint: str | os.PathLike[str] | None) -> list[str]:
+    """Where a relative path stored in a checkpoint's config may be relative to, after the
+    working directory: its data directories (``cfg.task.data``, split as fairseq splits
+    it), the checkpoint file's directory, and the training's own directory where the file
+    is still in its relative save dir (there, its relative data directories too)."""
+    data = []
+    for key in ("task", "model"):
+        try:
+            paths = config_entry(_config_section(state, key), "data")
+        except MissingMandatoryValue:  # "???" in a loaded config
+            paths = None
+        if isinstance(paths, str) and paths and paths != "???":
+            data += split_paths(paths)
+    bases = list(data)
+    if checkpoint is not None:
+        folder = Path(os.path.abspath(checkpoint)).parent
+        bases.append(str(folder))
+        trained_in = _training_directory(
+            folder, config_entry(_config_section(state, "checkpoint"), "save_dir"))
+        if trained_in is not None:
+            bases += [str(trained_in)] + [str(trained_in / path) for path in data
+                                          if not os.path.isabs(path)]
+    return list(dict.fromkeys(bases))
+
+
+def unread_langs_problem(state: Any) -> str | None:
+    """What a checkpoint's ``--langs`` path that :func:`languages_as_lists` could not read
+    means (``cfg.task.langs`` or ``cfg.model.langs`` still a file's path), else None."""
+    for key in ("task", "model"):
+        langs = config_entry(_config_section(state, key), "langs")
+        if isinstance(langs, str) and "," not in langs:
+            return (f"cfg.{key}.langs holds the path {langs!r} of a --langs file (as earlier "
+                    "plugin versions saved it), not found from the working directory, the "
+                    "checkpoint's data directories or its own directory")
+    return None
+
+
+def languages_as_lists(state: Any, checkpoint: str | os.PathLike[str] | None = None,
+                       warn: bool = True) -> Any:
     """A checkpoint's ``cfg.task.langs`` and ``cfg.model.langs`` as lists of codes, as stock
     fairseq stores them, where they hold a ``--langs`` file's path or a comma-separated
     string (earlier versions of the plugin stored the path), or where only a
     ``--lang-dict`` file's path says which list numbered the language tokens: the nllb
     branch's loader compares the lists and refuses a string, and generation checks the
-    order against the list. A file that is gone, or whose text is not a list of language
-    codes, stays a path. Works on a saved state (dicts and a Namespace) and on a loaded
-    one (omegaconf)."""
+    order against the list. A relative path is read from the working directory, else
+    from the checkpoint's data directories or the directory of the file ``checkpoint``
+    it was loaded from (:func:`_relative_path_bases`). A file that is not found, or whose
+    text is not a list of language codes, stays a path; ``warn`` says so in one line.
+    Works on a saved state (dicts and a Namespace) and on a loaded one (omegaconf)."""
+    bases = _relative_path_bases(state, checkpoint)
     for key in ("task", "model"):
         section = _config_section(state, key)
         langs, lang_dict = config_entry(section, "langs"), config_entry(section, "lang_dict")
         if isinstance(langs, str):
-            text = _file_text(langs)
+            text = _file_text(langs, bases)
             codes = _codes_in(text if text is not None else langs, one_a_line=False)
             if text is None and "," not in langs:
                 codes = None  # one code, or a path to a file that is gone
             changes = {"langs": codes}
-        elif langs is None and (text := _file_text(lang_dict)) is not None:
+        elif langs is None and (text := _file_text(lang_dict, bases)) is not None:
             codes = _codes_in(text, one_a_line=True)
             changes = {"langs": codes, "lang_dict": None}  # stock refuses both at once
         else:
@@ -224,6 +287,13 @@ def languages_as_lists(state: Any) -> Any:
         else:  # argparse.Namespace
             for name, value in changes.items():
                 setattr(section, name, value)
+    problem = unread_langs_problem(state) if warn else None
+    if problem is not None:
+        where = f"{os.fspath(checkpoint)}: " if checkpoint is not None else ""
+        logger.warning(f"{where}{problem}; it stays a path, on which the nllb branch's "
+                       "generate stops: give --model-overrides \"{'langs': [...]}\" with the "
+                       "training's language list, or run from the directory the path is "
+                       "relative to")
     return state
 
 
@@ -258,9 +328,12 @@ def with_model_namespace(state: Any) -> Any:
 _TRAINING_POSITION = ("metrics", "train_iterator", "best", "val_loss", "previous_training_time")
 
 
-def portable_state(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` (an inference checkpoint's, tensors untouched) as stock fairseq reads it."""
-    state = languages_as_lists(dict(state))
+def portable_state(state: dict[str, Any],
+                   checkpoint: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """``state`` (an inference checkpoint's, tensors untouched) as stock fairseq reads it;
+    a ``--langs`` path that cannot be read (:func:`unread_langs_problem`) is left for the
+    caller to refuse."""
+    state = languages_as_lists(dict(state), checkpoint, warn=False)
     state.pop(MODEL_WAS_NAMESPACE, None)  # its model config stays a dict here
     cfg = state.get("cfg")
     if cfg is None and isinstance(state.get("args"), argparse.Namespace):  # before fairseq 0.10

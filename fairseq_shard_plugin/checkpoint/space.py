@@ -8,6 +8,7 @@ one after it will not fit.
 
 from __future__ import annotations
 
+import io
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from fairseq_shard_plugin.checkpoint.sharded import split_tensors
 
 
 def saves_in_copies(checkpoint_format: str, checkpoint_cfg: Any = None) -> tuple[int, int]:
@@ -67,6 +70,38 @@ def full_state_bytes(
         if not widened:
             total += DCP_BYTES_PER_CHUNK * len(tensors) * shard_group
     return total
+
+
+def structure_bytes(state: Any, checkpoint_format: str = "full") -> int:
+    """Bytes of a checkpoint of ``state`` besides the tensors :func:`full_state_bytes`
+    counts, measured by ``torch.save`` of ``state`` with each tensor a one-element one
+    (shared where the tensor was): the pickle (config, names, meters, the optimizer
+    state's layout; ~32 KiB at any size) and, in the full format, one zip record per
+    stored tensor (local header, central directory entry with its name twice, padding to
+    64 bytes: ~190 bytes); 12% of a d-32, 1+1-layer model's full checkpoint, 27% at d 16.
+    In the sharded format: the index file, and DCP's bytes per chunk for the meters'
+    scalar tensors."""
+    placeholders: dict[int, torch.Tensor] = {}
+
+    def placeholder(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in placeholders:
+                placeholders[id(value)] = torch.zeros(1, dtype=value.dtype)
+            return placeholders[id(value)]
+        if isinstance(value, dict):
+            return {key: placeholder(entry) for key, entry in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [placeholder(entry) for entry in value]
+        return value
+
+    skeleton = placeholder(state)
+    scalars = 0
+    if checkpoint_format == "sharded":  # tensors as references, as the index holds them
+        skeleton, tensors = split_tensors(skeleton)
+        scalars = sum(1 for where in tensors if where.startswith("extra_state/"))
+    written = io.BytesIO()
+    torch.save(skeleton, written)
+    return written.tell() + DCP_BYTES_PER_CHUNK * scalars
 
 
 def readable(size: float) -> str:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from fairseq.logging import metrics
 from fairseq.optim import lr_scheduler
 from fairseq.trainer import Trainer
+from omegaconf import OmegaConf
 from torch.distributed.tensor.experimental import implicit_replication
 
 from fairseq_shard_plugin.checkpoint.errors import (
@@ -36,7 +37,11 @@ from fairseq_shard_plugin.checkpoint.errors import (
 from fairseq_shard_plugin.checkpoint.fairscale_sets import first_rank_file
 from fairseq_shard_plugin.checkpoint.portable import languages_as_lists, with_plain_config
 from fairseq_shard_plugin.checkpoint.sharded import shard_directory
-from fairseq_shard_plugin.checkpoint.space import full_state_bytes, space_report
+from fairseq_shard_plugin.checkpoint.space import (
+    full_state_bytes,
+    space_report,
+    structure_bytes,
+)
 from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.hydra_keys import as_written
 from fairseq_shard_plugin.memory.meters import (
@@ -560,19 +565,48 @@ class ShardedTrainer(Trainer):
         if checkpoint.no_save or not self.is_data_parallel_master:
             return
         saves_state = not checkpoint.no_save_optimizer_state
-        triples = ((param, local, state.get(local, {}) if saves_state else {})
+        triples = [(param, local, state.get(local, {}) if saves_state else {})
                    for param, local in zip(optimizer.shards.params, optimizer.shards.locals,
-                                           strict=True))
+                                           strict=True)]
+        saved_as = checkpoint_format(self.cfg)
+        size = full_state_bytes(triples, self.shard_group_size, saved_as)
+        try:  # the pickled config and names, the zip records: a fixed part of the size
+            size += structure_bytes(self._checkpoint_structure(triples), saved_as)
+        except Exception as error:  # noqa: BLE001 (an estimate's part, never a stop)
+            logger.info(f"checkpoint size without its structure ({type(error).__name__}: "
+                        f"{error})")
         try:
-            saved_as = checkpoint_format(self.cfg)
-            line, too_little = space_report(
-                checkpoint.save_dir,
-                full_state_bytes(triples, self.shard_group_size, saved_as),
-                saved_as, checkpoint_cfg=checkpoint)
+            line, too_little = space_report(checkpoint.save_dir, size, saved_as,
+                                            checkpoint_cfg=checkpoint)
         except OSError as error:  # a notice only: never a reason to stop training
             logger.info(f"free space of {checkpoint.save_dir} unknown: {error}")
             return
         (logger.warning if too_little else logger.info)(line)
+
+    def _checkpoint_structure(self, triples: list[tuple[torch.Tensor, torch.Tensor, dict]]
+                              ) -> dict[str, Any]:
+        """What a checkpoint of this run holds besides the tensors ``full_state_bytes``
+        counts, for ``structure_bytes``: fairseq's state layout with the saved config, the
+        model's names (tied ones sharing their tensor), the meters and the optimizer
+        state's entries; tensors as they are (never gathered: no collective)."""
+        names: dict[int, list[str]] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        model: dict[str, Any] = {}
+        for index, (param, _, _) in enumerate(triples):
+            model.update(dict.fromkeys(names.get(id(param), [f"parameter{index}"]), param))
+        groups = [{**{key: value for key, value in group.items() if key != "params"},
+                   "params": list(range(len(group["params"])))}
+                  for group in self.optimizer.optimizer.param_groups]
+        cfg = (OmegaConf.to_container(self.cfg, resolve=True, enum_to_str=True)
+               if OmegaConf.is_config(self.cfg) else self.cfg)
+        state = {"args": None, "cfg": cfg, "model": model, "optimizer_history": [],
+                 "extra_state": {"metrics": metrics.state_dict()}}
+        if not self.cfg.checkpoint.no_save_optimizer_state:
+            state["last_optimizer_state"] = {
+                "state": {index: entries for index, (_, _, entries) in enumerate(triples)},
+                "param_groups": groups}
+        return with_plain_config(state)
 
     def _measured(self, step: Callable[[], Any], log_free_memory: bool = False) -> Any:
         """Run ``step`` and log its peak memory (max over ranks; a collective)."""

@@ -1,0 +1,138 @@
+"""A checkpoint of an earlier plugin version holds its ``--langs FILE`` as the path, often
+relative (``--langs langs.txt``, as docs/nllb.md shows). Loading it from another directory
+left the path (the nllb branch's generate: "Removing langs from ensemble components not yet
+supported!"), and an export kept it without a word (issue 31 item 1)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fairseq_shard_plugin.checkpoint.consolidate import ConsolidateError, export_consolidated
+from fairseq_shard_plugin.checkpoint.portable import languages_as_lists
+from launching.harness import REPO, run_command
+
+CODES = ["eng_Latn", "fra_Latn", "deu_Latn"]
+
+
+def _old_checkpoint(path: Path, langs: str, data: str, save_dir: str = "checkpoints") -> Path:
+    """A full checkpoint as earlier versions wrote it: ``langs`` the path as given."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": {"encoder.embed_tokens.weight": torch.ones(8, 4)},
+                "cfg": {"task": {"_name": "translation_multi_simple_epoch", "data": data,
+                                 "langs": langs, "lang_dict": None},
+                        "model": {"_name": "transformer", "langs": langs},
+                        "checkpoint": {"save_dir": save_dir}},
+                "optimizer_history": [{"num_updates": 3, "optimizer_name": "FairseqAdam",
+                                       "lr_scheduler_state": {"best": None}}],
+                "extra_state": {"train_iterator": {"epoch": 1}}}, path)
+    return path
+
+
+def _state(langs: str, data: str | None = None, save_dir: str = "checkpoints") -> dict:
+    return {"cfg": {"task": {"data": data, "langs": langs, "lang_dict": None},
+                    "model": argparse.Namespace(langs=langs, data=data),
+                    "checkpoint": {"save_dir": save_dir}}}
+
+
+def test_a_relative_langs_path_is_read_beside_the_data_or_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """From another working directory the path is tried against the data directories
+    (split as fairseq splits them), the checkpoint's directory and the directory the
+    training ran in (the checkpoint still in its relative save dir); else one warning."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    data = tmp_path / "data"
+    (data / "lists").mkdir(parents=True)
+    (data / "lists" / "langs.txt").write_text(",".join(CODES) + "\n")
+    upgraded = languages_as_lists(_state("lists/langs.txt", f"{tmp_path / 'shard0'}:{data}"))
+    assert upgraded["cfg"]["task"]["langs"] == CODES == upgraded["cfg"]["model"].langs
+    # beside the checkpoint (a copy of the training's file), or in the training's own
+    # directory: /exp for /exp/checkpoints/run/checkpoint_last.pt saved as checkpoints/run
+    beside = tmp_path / "export" / "langs.txt"
+    beside.parent.mkdir()
+    beside.write_text("\n".join(reversed(CODES)))
+    assert languages_as_lists(_state("langs.txt"), beside.parent / "checkpoint_last.pt")[
+        "cfg"]["task"]["langs"] == CODES[::-1]
+    experiment = tmp_path / "exp"
+    (experiment / "checkpoints" / "run").mkdir(parents=True)
+    (experiment / "langs.txt").write_text(" ".join(CODES))
+    checkpoint = experiment / "checkpoints" / "run" / "checkpoint_last.pt"
+    assert languages_as_lists(_state("langs.txt", save_dir="./checkpoints/run"), checkpoint)[
+        "cfg"]["model"].langs == CODES
+    assert not caplog.records
+    # a save dir the checkpoint is no longer in says nothing of where the training ran
+    with caplog.at_level(logging.WARNING):
+        kept = languages_as_lists(_state("langs.txt", save_dir="other/run"), checkpoint)
+    assert kept["cfg"]["task"]["langs"] == "langs.txt" == kept["cfg"]["model"].langs
+    (warning,) = [record.getMessage() for record in caplog.records]
+    assert warning == (
+        f"{checkpoint}: cfg.task.langs holds the path 'langs.txt' of a --langs file (as "
+        "earlier plugin versions saved it), not found from the working directory, the "
+        "checkpoint's data directories or its own directory; it stays a path, on which the "
+        "nllb branch's generate stops: give --model-overrides \"{'langs': [...]}\" with the "
+        "training's language list, or run from the directory the path is relative to")
+
+
+def test_an_export_reads_a_relative_langs_path_or_refuses_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An export holds the list (stock fairseq reads no langs file); one whose path cannot
+    be read from anywhere is refused, and nothing is written."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "langs.txt").write_text(",".join(CODES))
+    source = _old_checkpoint(tmp_path / "exp" / "checkpoints" / "checkpoint_last.pt",
+                             "langs.txt", str(data))
+    monkeypatch.chdir(tmp_path / "exp" / "checkpoints")
+    export = export_consolidated(source, tmp_path / "model.pt")
+    cfg = torch.load(export, weights_only=True)["cfg"]
+    assert cfg["task"]["langs"] == CODES == cfg["model"]["langs"]
+    (data / "langs.txt").unlink()
+    with pytest.raises(ConsolidateError) as refused:
+        export_consolidated(source, tmp_path / "second.pt")
+    assert str(refused.value) == (
+        f"{source}: cfg.task.langs holds the path 'langs.txt' of a --langs file (as earlier "
+        "plugin versions saved it), not found from the working directory, the checkpoint's "
+        "data directories or its own directory; an export keeps no path: run from the "
+        "directory the path is relative to (the training's), or copy the file beside the "
+        "checkpoint; not exported")
+    assert not (tmp_path / "second.pt").exists()
+
+
+@pytest.mark.e2e  # a fresh process with the plugin's hooks installed
+def test_fairseqs_loader_upgrades_a_relative_langs_path_from_another_directory(
+    tmp_path: Path
+) -> None:
+    """fairseq's ``load_checkpoint_to_cpu`` (hook 5, which generation and resumes read
+    through) in another working directory: the path read in the training's directory."""
+    experiment = tmp_path / "exp"
+    (experiment / "data").mkdir(parents=True)
+    (experiment / "langs.txt").write_text(",".join(CODES))
+    checkpoint = _old_checkpoint(experiment / "checkpoints" / "checkpoint_last.pt",
+                                 "langs.txt", "data")
+    gone = _old_checkpoint(tmp_path / "moved" / "checkpoint_last.pt", "langs.txt", "data")
+    loaded = run_command([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO)!r})
+        import fairseq_shard_plugin
+        from fairseq import checkpoint_utils
+        fairseq_shard_plugin.activate()
+        for path in sys.argv[1:]:
+            cfg = checkpoint_utils.load_checkpoint_to_cpu(path)["cfg"]
+            print("langs:", list(cfg.task.langs) if not isinstance(cfg.task.langs, str)
+                  else cfg.task.langs)
+        """), str(checkpoint), str(gone)], cwd=tmp_path)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    output = loaded.stdout + loaded.stderr  # (fairseq's logging goes to stdout)
+    assert [line for line in output.splitlines() if line.startswith("langs:")] == [
+        f"langs: {CODES}", "langs: langs.txt"], output[-3000:]
+    assert f"| {gone}: cfg.task.langs holds the path 'langs.txt' of a --langs file" in output
