@@ -7,7 +7,7 @@ once with stock fairseq (``--ddp-backend legacy_ddp``, no plugin). Both run unde
 whole-process peak RSS and peak of live tensor bytes. The model (42M parameters: d 768, ffn
 3072, 2+2 layers, a 12k vocabulary) is large enough that its model state (16 bytes per
 parameter with Adam) outweighs the Python process, so sharding shows in the whole
-process's memory too, and small batches (128 tokens per rank) keep the run to about four
+process's memory too, and small batches (128 tokens per rank) keep the run to about two
 minutes on 2 cores.
 
 Writes ``demo.md`` (the headline first: memory per rank, then the losses), ``demo.json``

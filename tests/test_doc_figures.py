@@ -205,3 +205,17 @@ def test_the_docs_estimates_of_the_nllb_configs_are_the_estimators() -> None:
     assert (f"{peaks['fp16']:.2f} GiB per rank with `--fp16`, {peaks['fp16 moments']:.2f} "
             f"adding `--fp16-adam-stats`, {peaks['16-bit']:.2f} with "
             f"`--memory-efficient-fp16`, {peaks['16-bit state']:.2f} adding") in memory
+
+
+def test_memory_md_quotes_the_demo_as_measured() -> None:
+    """docs/memory.md copies the demo's headline and table from results/demo.md (python -m
+    benchmarks.demo --out benchmarks/results): the same, and the plugin's peak RSS the lower."""
+    demo = (RESULTS / "demo.md").read_text()
+    memory = (REPO / "docs" / "memory.md").read_text()
+    table = [line for line in demo.splitlines() if line.startswith("|")]
+    assert "\n".join(table) in memory
+    headline = " ".join(demo.split("\n\n", 1)[0].split())
+    quoted = headline.split("whole process peaked at ", 1)[1].split(", with the same")[0]
+    assert quoted in " ".join(memory.split())
+    plugin, stock = rows("demo")[:2]
+    assert plugin["peak_rss_mib_per_rank"] < stock["peak_rss_mib_per_rank"]
