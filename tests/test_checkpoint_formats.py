@@ -142,3 +142,23 @@ def test_a_model_entry_that_is_not_a_dict_is_named(tmp_path: Path) -> None:
     verdict = verify.check(path)
     assert not verdict.intact and verdict.line == expected
     assert describe_checkpoint_problem(str(path), {}, RuntimeError("x")) == expected
+
+
+@pytest.mark.parametrize("protocol", [3, 4, 5])
+def test_a_legacy_file_of_another_pickle_protocol_is_read_or_its_protocol_named(
+    tmp_path: Path, protocol: int
+) -> None:
+    """torch.save(..., pickle_protocol=N) in the legacy format starts with another header
+    than protocol 2's: it was called "not a PyTorch checkpoint" (issue 32's audit). Protocol 3
+    reads; torch's weights_only reader cannot read 4 and 5, and the line says so."""
+    path = tmp_path / "checkpoint_last.pt"
+    torch.save(_fairseq_state(), path, _use_new_zipfile_serialization=False,
+               pickle_protocol=protocol)
+    verdict = verify.check(path)
+    if protocol == 3:
+        assert verdict.intact, verdict.line
+    else:
+        assert verdict.line.startswith(
+            f"{path}: saved in torch's legacy format with pickle protocol {protocol} ("), \
+            verdict.line
+        assert verdict.line.endswith("re-save it with torch.save's defaults"), verdict.line

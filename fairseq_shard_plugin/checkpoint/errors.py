@@ -13,7 +13,11 @@ import torch
 from fairseq_shard_plugin.checkpoint.atomic_files import WriteError
 from fairseq_shard_plugin.checkpoint.integrity import RESUME_HINT, is_truncated_zip
 from fairseq_shard_plugin.checkpoint.portable import config_entry
-from fairseq_shard_plugin.checkpoint.reading import NotACheckpointError, read_checkpoint
+from fairseq_shard_plugin.checkpoint.reading import (
+    NotACheckpointError,
+    checkpoint_format,
+    read_checkpoint,
+)
 from fairseq_shard_plugin.errors import ShardPluginError
 
 
@@ -158,6 +162,12 @@ def describe_unreadable(filename: str | Path, error: BaseException) -> str:
         return (f"{filename}: holds a pickled {name}, which the plugin does not load "
                 "(weights_only=True: unpickling it could run code); re-save the checkpoint "
                 "without it where it was written")
+    protocol = _legacy_pickle_protocol(filename)
+    if isinstance(error, pickle.UnpicklingError) and protocol is not None and protocol >= 4:
+        return (f"{filename}: saved in torch's legacy format with pickle protocol {protocol} "
+                f"(torch.save(..., _use_new_zipfile_serialization=False, pickle_protocol="
+                f"{protocol})), which torch's weights_only=True reader does not read "
+                f"({_unpickler_cause(error)}); re-save it with torch.save's defaults")
     if isinstance(error, pickle.UnpicklingError) and "WeightsUnpickler error" in str(error):
         return (f"{filename}: refused by torch's weights_only=True reader "
                 f"({_unpickler_cause(error)}), which the plugin never bypasses: a damaged or "
@@ -169,6 +179,17 @@ def describe_unreadable(filename: str | Path, error: BaseException) -> str:
                 "directory, is missing)")
     return (f"{filename}: unreadable checkpoint ({size} bytes; truncated or corrupted?): "
             f"{_first_line(error)}")
+
+
+def _legacy_pickle_protocol(filename: str | Path) -> int | None:
+    """The pickle protocol of a legacy-format (non-zip) checkpoint, else None."""
+    try:
+        if checkpoint_format(filename) != "legacy":
+            return None
+        with open(filename, "rb") as stream:
+            return stream.read(2)[1]
+    except (OSError, NotACheckpointError):
+        return None
 
 
 def _unpickler_cause(error: BaseException) -> str:

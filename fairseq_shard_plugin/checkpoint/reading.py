@@ -37,9 +37,9 @@ _MAPPED_RANGES: list[tuple[int, int]] = []
 _LOCK = threading.Lock()
 
 # The two magic numbers torch.save writes first: a zip archive's, and the legacy format's
-# pickle protocol-2 header.
+# pickle header (protocol 2 by default; ``pickle_protocol=`` may have chosen 3 to 5).
 _ZIP_MAGIC = b"PK\x03\x04"
-_LEGACY_MAGIC = b"\x80\x02"
+_LEGACY_MAGICS = tuple(bytes([0x80, protocol]) for protocol in range(2, 6))
 
 
 # A fairseq checkpoint nests its containers fewer than 20 deep and holds thousands of
@@ -63,7 +63,7 @@ def checkpoint_format(path: str | Path) -> str:
         head = stream.read(4)
     if head == _ZIP_MAGIC:  # a truncated archive too: torch's reader then says what is wrong
         return "zip"
-    if head[:2] == _LEGACY_MAGIC:
+    if head[:2] in _LEGACY_MAGICS:
         return "legacy"
     shown = "is empty" if not head else f"starts with bytes {head.hex()}"
     raise NotACheckpointError(
