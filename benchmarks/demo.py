@@ -107,7 +107,7 @@ def main() -> None:
         f"({_change(plugin, stock, 'peak_rss_mib_per_rank')}), and at "
         f"{plugin['peak_mib_per_rank']:.0f} MiB of live tensors against "
         f"{stock['peak_mib_per_rank']:.0f} ({_change(plugin, stock, 'peak_mib_per_rank')}), "
-        f"with the same losses** (final training loss {plugin['train_loss']:.3f} against "
+        f"with the same losses** (training loss over the run {plugin['train_loss']:.3f} against "
         f"{stock['train_loss']:.3f}).")
     harness.RESULTS = out
     chart = draw(rows, args.updates, out)

@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{options.world_size} ({rows[0]['elements'] / 1e6:.0f}M elements), on this "
             "host's CPU; step: one step with Adam's state existing (fastest of 3), in ns per "
             "element; speed-ups: the same thread count's plugin fp32 step and DeepSpeed's "
-            "CPUAdam (n/a: deepspeed not installed); first step: creates the state (and "
+            "CPUAdam (n/a: not measured for that row, or deepspeed not installed); first "
+            "step: creates the state (and "
             "compiles, for torch.compile); difference: the largest parameter difference "
             f"from fairseq's Adam after {1 + TIMED_STEPS} steps (bf16 rows include bf16 "
             f"rounding of the parameters). Produced by `{command}`.")

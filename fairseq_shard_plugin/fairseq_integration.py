@@ -249,6 +249,10 @@ from fairseq_shard_plugin.sharding.options import (
 )
 from fairseq_shard_plugin.sharding.precision import untie_bf16_from_tpu
 from fairseq_shard_plugin.sharding.settings import launcher_rank, warn_once
+from fairseq_shard_plugin.tasks.chunked_criterion import (
+    CHUNKED_CRITERION,
+    CHUNKED_CRITERION_FLAGS,
+)
 from fairseq_shard_plugin.training.final_saves import (
     config_for_a_signal_save,
     ends_without_a_save,
@@ -711,10 +715,12 @@ def _short_parser_errors(stock_error: Callable[..., Any]) -> Callable[..., Any]:
             candidates = list(options)
         hints = [f"did you mean {close[0]}?" for word in wrong.split()
                  if (close := difflib.get_close_matches(word, candidates, n=1, cutoff=0.8))]
-        if not hints and not listed:  # the plugin's own options under another --task
+        if not hints and not listed:  # the plugin's own options under another task
             hints = [f"{word} is an option of --task sharded_translation and "
                      "sharded_translation_multi_simple_epoch" for word in wrong.split()
-                     if word in SHARDING_FLAGS]
+                     if word in SHARDING_FLAGS] + [
+                     f"{word} is an option of --criterion {CHUNKED_CRITERION}"
+                     for word in wrong.split() if word in CHUNKED_CRITERION_FLAGS]
         if hints:
             hint = f" ({'; '.join(hints)})"
         elif listed:  # argparse's own list: fairseq's --help lists no choice

@@ -145,6 +145,8 @@ def launches(
     cases = dict(REFUSED, **REFUSED_WITH_THE_MODEL, one_rank=ONE_RANK, fairscale_shards=[],
                  nothing_to_write=NOTHING_TO_WRITE, typo=["--task", "sharded_translation", TYPO],
                  plugin_option_elsewhere=["--task", "translation", "--keep-vocabulary-gathered"],
+                 criterion_option_elsewhere=["--task", "sharded_translation",
+                                             "--loss-chunk-tokens", "0"],
                  no_close_choice=["--task", "sharded_translation", "--shard-strategy", "hsdp"],
                  too_long=["--task", "sharded_translation", "--max-tokens", "5"])
     save_dirs = {name: tmp_path_factory.mktemp("refused") / "save" for name in cases}
@@ -249,7 +251,9 @@ def test_torchrun_names_the_one_line_and_only_rank_zero_prints_it(
      "(--keep-vocabulary-gathered is an option of --task sharded_translation and "
      "sharded_translation_multi_simple_epoch)"),
     ("no_close_choice", "argument --shard-strategy: invalid choice: 'hsdp' (choose from "
-     "'full', 'hybrid')")])
+     "'full', 'hybrid')"),
+    ("criterion_option_elsewhere", "unrecognized arguments: --loss-chunk-tokens 0 "
+     "(--loss-chunk-tokens is an option of --criterion chunked_label_smoothed_cross_entropy)")])
 def test_a_flag_the_parser_refuses_is_explained_where_help_would_not(
     launches: dict[str, tuple[subprocess.CompletedProcess, Path]], case: str, line: str
 ) -> None:

@@ -7,6 +7,7 @@ method of the output projection, so FSDP gathers its weight once for all chunks 
 reduce-scatters its gradient once.
 """
 
+import dataclasses
 import inspect
 import types
 from dataclasses import dataclass, field
@@ -91,9 +92,16 @@ def _innermost_unit(model: Any, projection: torch.nn.Module) -> FSDPModule | Non
     return units[-1] if units else None  # modules() lists a unit before the units inside it
 
 
-@register_criterion(
-    "chunked_label_smoothed_cross_entropy", dataclass=ChunkedLabelSmoothedCrossEntropyConfig
-)
+CHUNKED_CRITERION = "chunked_label_smoothed_cross_entropy"
+# the options the criterion adds to fairseq's label-smoothed one (named when given without it)
+CHUNKED_CRITERION_FLAGS = frozenset(
+    "--" + option.name.replace("_", "-")
+    for option in dataclasses.fields(ChunkedLabelSmoothedCrossEntropyConfig)
+    if option.name not in {f.name for f in dataclasses.fields(
+        LabelSmoothedCrossEntropyCriterionConfig)})
+
+
+@register_criterion(CHUNKED_CRITERION, dataclass=ChunkedLabelSmoothedCrossEntropyConfig)
 class ChunkedLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(
         self,

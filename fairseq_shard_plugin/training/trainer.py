@@ -216,8 +216,8 @@ class ShardedTrainer(Trainer):
                     self.compute_dtype or torch.float32,
                     "16-bit parameter shards" if self.settings.sixteen_bit_parameters
                     else "fp32 master shards", peak_rss_bytes() / GIB)
-        for hint in cpu_rank_hints(self.settings, use_cuda):
-            logger.warning(as_written(hint, cfg))
+        for hint in cpu_rank_hints(self.settings, use_cuda) if dist.get_rank() == 0 else ():
+            logger.warning(as_written(hint, cfg))  # the same on every rank: said once
         if self.offload and use_cuda:
             # torchrun sets OMP_NUM_THREADS=1; the offloaded optimizer step runs on the host
             threads = host_threads_per_rank()
