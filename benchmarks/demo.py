@@ -32,6 +32,7 @@ import shutil
 from pathlib import Path
 
 from fairseq_shard_plugin.cli.synthetic_data import make_corpus
+from fairseq_shard_plugin.memory.host_allocator import MMAP_THRESHOLD, VARIABLE
 from launching import harness
 from launching.harness import (
     REPO,
@@ -43,7 +44,6 @@ from launching.harness import (
 )
 
 MIB = 1024**2
-MMAP_THRESHOLD = 1024**2  # bytes: glibc's MALLOC_MMAP_THRESHOLD_ for both runs
 
 
 def prepare_corpus(work: Path) -> Path:
@@ -78,10 +78,10 @@ def main() -> None:
                         help="where the results go (default: WORK/results)")
     args = parser.parse_args()
     out = args.out or args.work / "results"
-    # glibc returns freed blocks of 1 MiB and more to the system at once, in both runs (the
+    # glibc returns freed blocks of 8 MiB and more to the system at once, in both runs (the
     # plugin sets this on CPU ranks itself; stock fairseq does not): by default glibc keeps
     # them, and peak RSS then shows the most memory ever obtained rather than what was live
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
+    os.environ.setdefault(VARIABLE, str(MMAP_THRESHOLD))
     data = prepare_corpus(args.work)
     model = transformer_args(dim=768, ffn=3072, layers=2, heads=8)
     rows = []
@@ -119,10 +119,10 @@ def main() -> None:
        + (f"![memory per rank and loss curves]({chart.name})\n\n" if chart else "")
        + "Produced by `make demo` (2 gloo ranks on this CPU machine; 42M-parameter "
          f"transformer, 128 tokens per rank and update, {args.updates} updates; both runs "
-         f"with MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}, so that glibc "
-         "returns freed blocks of 1 MiB and more at once, as the plugin has it do on CPU "
-         "ranks by itself; with glibc's default, peak RSS shows the most memory ever "
-         "obtained, which per-unit gathers raise, rather than what was live).")
+         f"with {VARIABLE}={os.environ[VARIABLE]}, so that glibc returns freed blocks of "
+         "that size and more at once, as the plugin has it do on CPU ranks by itself; with "
+         "glibc's default, peak RSS shows the most memory ever obtained, which per-unit "
+         "gathers raise, rather than what was live).")
     (out / "demo.md").write_text(f"{headline}\n\n{table}")
     print(f"\n{headline}\n\n{table}\nwritten to {out}")
 

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from fairseq_shard_plugin.memory.host_allocator import VARIABLE, return_freed_blocks
+from fairseq_shard_plugin.memory.host_allocator import MMAP_THRESHOLD, VARIABLE, return_freed_blocks
 
-# In a fresh process (the allocator's state is per process): free an 8 MiB block (glibc
-# then raises its mmap threshold past 4 MiB), take 40 blocks of 4 MiB, free all but the
+# In a fresh process (the allocator's state is per process): free a 24 MiB block (glibc
+# then raises its mmap threshold to 24 MiB), take 12 blocks of 16 MiB, free all but the
 # last (which keeps the heap's top in use), and print how much of them RSS still holds.
 HELD = """
 import sys, torch
@@ -20,20 +20,20 @@ def rss_mib():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
     return int(fields["VmRSS"].split()[0]) // 1024
 said = return_freed_blocks() if sys.argv[1] == "plugin" else None
-big = torch.ones(2**21)
+big = torch.ones(6 * 2**20)
 del big
 before = rss_mib()
-blocks = [torch.ones(2**20) for _ in range(40)]
+blocks = [torch.ones(2**22) for _ in range(12)]
 last = blocks[-1]
 del blocks
 print(said, rss_mib() - before)
 """
 
 
-def held_mib(how: str, **environ: str) -> tuple[str, int]:
+def held_mib(how: str) -> tuple[str, int]:
     env = {name: value for name, value in os.environ.items() if name != VARIABLE}
     completed = subprocess.run([sys.executable, "-c", HELD, how], capture_output=True,
-                               text=True, check=True, env=dict(env, **environ))
+                               text=True, check=True, env=env)
     said, held = completed.stdout.rsplit(maxsplit=1)
     return said, int(held)
 
@@ -41,10 +41,10 @@ def held_mib(how: str, **environ: str) -> tuple[str, int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_blocks_freed_on_a_cpu_rank_leave_its_rss() -> None:
     said, held = held_mib("plugin")
-    assert said == f"glibc's mmap threshold at 1 MiB ({VARIABLE})"
-    assert held <= 16  # the one 4 MiB block still alive, and small change
+    assert said == f"glibc's mmap threshold at {MMAP_THRESHOLD // 2**20} MiB ({VARIABLE})"
+    assert held <= 24  # the one 16 MiB block still alive, and small change
     _, held_by_default = held_mib("stock")
-    assert held_by_default >= 120  # glibc's default kept the freed 156 MiB
+    assert held_by_default >= 150  # glibc's default kept the freed 176 MiB
 
 
 def test_a_setting_of_the_users_own_is_kept() -> None:

@@ -96,7 +96,7 @@ def test_the_readmes_walkthrough_runs_from_data_to_translations(tmp_path: Path) 
     assert (tmp_path / "toy" / "model.pt").is_file()
     assert done.stdout.strip().splitlines()[-1].startswith("Generate test with beam=2: BLEU4 = ")
     assert "sharded over 2 ranks with fsdp2" in output
-    assert "glibc's mmap threshold at 1 MiB (MALLOC_MMAP_THRESHOLD_): set by the plugin" in output
+    assert "glibc's mmap threshold at 8 MiB (MALLOC_MMAP_THRESHOLD_): set by the plugin" in output
     # FSDP2's warning about views returned by fairseq's transformer classes (harmless: the
     # sharded losses and norms are stock's) no longer fills the screen
     assert "returned a view tensor" not in output
