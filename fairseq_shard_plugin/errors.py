@@ -32,8 +32,6 @@ class ShardPluginError(Exception):
 class ShardingConfigError(ShardPluginError, ValueError):
     """A configuration the plugin cannot train; the message says what to change."""
 
-    node_wide = True
-
 
 def report_in_one_line() -> None:
     """Let an uncaught :class:`ShardPluginError` end the process with its one line on stderr

@@ -62,9 +62,11 @@ def not_element_wise(name: str, sixteen_bit: str | None = None) -> ShardingConfi
     advice = (f"adam (fairseq's is AdamW) with --memory-efficient-{sixteen_bit}, or {others} "
               f"with --{sixteen_bit} (fp32 master shards)" if sixteen_bit else
               f"adam (fairseq's is AdamW), {others}")
-    return ShardingConfigError(
+    error = ShardingConfigError(
         f"--optimizer {name} is not element-wise, so its sharded state would differ from "
         f"unsharded training: use {advice} with --ddp-backend fully_sharded")
+    error.node_wide = True  # the configuration's: every rank refuses it alike
+    return error
 
 
 def fp16_adam_stats(optimizer_cfg: Any) -> bool:

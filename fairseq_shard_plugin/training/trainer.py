@@ -454,10 +454,7 @@ class ShardedTrainer(Trainer):
                 advised = for_a_fine_tune(advised)
             if advised is message and isinstance(error, CheckpointLoadError):
                 raise
-            failure = CheckpointLoadError(advised)
-            # a full checkpoint against the model: the same on every rank
-            failure.node_wide = index is None and not isinstance(error, ShardPluginError)
-            raise failure from error
+            raise CheckpointLoadError(advised) from error
         self.engine.shard_loaded_state(self.optimizer.optimizer)
         release_checkpoint_pages(self)
         checkpoint_cfg = self.cfg.checkpoint
