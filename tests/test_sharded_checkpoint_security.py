@@ -18,6 +18,7 @@ import pickle
 import shlex
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -515,6 +516,31 @@ def test_overlapping_chunks_that_add_up_to_the_shape_are_refused(
     verdict = verify.check(index_file)
     assert not verdict.intact
     assert "gives model/w overlapping chunks" in verdict.line, verdict.line
+
+
+def test_chunks_split_along_another_dimension_are_refused_in_linear_time(
+    genuine: _Genuine, tmp_path: Path
+) -> None:
+    """The overlap check compared chunks pairwise along the first dimension: 20,000 column
+    chunks of a [1, 20000] tensor, all spanning it, took minutes (issue 32's second audit).
+    The plugin's shards are slices of the first dimension; anything else is refused."""
+    index_file, index, directory = genuine.copy(tmp_path / "save")
+    metadata = SafeFileSystemReader(directory).read_metadata()
+    entry = metadata.state_dict_metadata["model/w"]
+    stored = metadata.storage_data[MetadataIndex("model/w", entry.chunks[0].offsets)]
+    columns = 20_000
+    entry.size = torch.Size([1, columns])
+    entry.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, column]),
+                                         sizes=torch.Size([1, 1])) for column in range(columns)]
+    for chunk in entry.chunks:
+        metadata.storage_data[MetadataIndex("model/w", chunk.offsets)] = stored
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    started = time.monotonic()
+    verdict = verify.check(index_file)
+    assert time.monotonic() - started < 30  # (pairwise: minutes)
+    assert not verdict.intact
+    assert "gives model/w a chunk split along a dimension other than the first" in \
+        verdict.line, verdict.line
 
 
 def test_a_changed_offset_in_the_metadata_fails_its_checksum(

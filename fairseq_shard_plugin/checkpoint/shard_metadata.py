@@ -229,31 +229,40 @@ def _chunk_inside(chunk: Any, size: torch.Size) -> bool:
     return all(o + n <= s for o, n, s in zip(chunk.offsets, chunk.sizes, size, strict=True))
 
 
-def _overlap(chunks: list[Any]) -> bool:
-    """Whether two of ``chunks`` (boxes inside one tensor) share an element: swept along
-    the first dimension, where FSDP2's shards follow one another."""
-    boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes))
-    open_boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for offsets, sizes in boxes:
-        open_boxes = [(o, n) for o, n in open_boxes if o[0] + n[0] > offsets[0]]
-        if any(all(b < a + n and a < b + m
-                   for a, n, b, m in zip(o, s, offsets, sizes, strict=True))
-               for o, s in open_boxes):
-            return True
-        open_boxes.append((offsets, sizes))
-    return False
+def _tiling_problem(chunks: list[Any], size: torch.Size) -> str | None:
+    """What keeps ``chunks`` (each inside a tensor of ``size``) from tiling it as the
+    plugin's shards do (FSDP2's ``Shard(0)``: slices of the first dimension, whole in the
+    others, one after another), or None. Linear after a sort, whatever a crafted file
+    holds; chunks without elements count for nothing."""
+    if not size:  # a scalar: one chunk
+        return None if len(chunks) == 1 else "more than one chunk for a scalar"
+    spans = []
+    for chunk in chunks:
+        if not math.prod(chunk.sizes):
+            continue
+        if any(chunk.offsets[1:]) or tuple(chunk.sizes[1:]) != tuple(size[1:]):
+            return "a chunk split along a dimension other than the first"
+        spans.append((chunk.offsets[0], chunk.sizes[0]))
+    end = 0
+    for start, rows in sorted(spans):
+        if start < end:  # as many elements may still add up: some never read
+            return "overlapping chunks"
+        if start > end:
+            return "chunks that do not cover its shape"
+        end = start + rows
+    return None if end == size[0] or not math.prod(size) else (
+        "chunks that do not cover its shape")
 
 
 def _check_tensor_entry(where: str | Path, fqn: str, entry: Any, storage: dict) -> None:
-    """A tensor's entry: exact types, chunks inside the tensor that cover it without
-    overlapping, and each chunk's stored bytes at least as many as its elements need."""
+    """A tensor's entry: exact types, chunks inside the tensor that tile it as the plugin's
+    shards do, and each chunk's stored bytes at least as many as its elements need."""
     if type(entry) is not TensorStorageMetadata or type(entry.properties) is not \
             TensorProperties or type(entry.properties.dtype) is not torch.dtype \
             or not _is_size(entry.size) or type(entry.chunks) is not list:
         raise _refuse(where, f"describes {_shown(fqn)} by a {type(entry).__name__} of "
                              "unexpected parts")
     itemsize = torch.empty((), dtype=entry.properties.dtype).element_size()
-    covered = 0
     for chunk in entry.chunks:
         if not _chunk_inside(chunk, entry.size):
             raise _refuse(where, f"gives {_shown(fqn)} a chunk outside its shape")
@@ -266,11 +275,9 @@ def _check_tensor_entry(where: str | Path, fqn: str, entry: Any, storage: dict) 
                 f"{where}: {_shown(fqn)} claims a chunk of {elements} elements "
                 f"({elements * itemsize} bytes) stored in {info.length} bytes (a corrupted or "
                 "crafted checkpoint)")
-        covered += elements
-    if covered != math.prod(entry.size):
-        raise _refuse(where, f"gives {_shown(fqn)} chunks that do not cover its shape")
-    if entry.size and _overlap(entry.chunks):  # as many elements, some never read
-        raise _refuse(where, f"gives {_shown(fqn)} overlapping chunks")
+    problem = _tiling_problem(entry.chunks, entry.size)
+    if problem:
+        raise _refuse(where, f"gives {_shown(fqn)} {problem}")
 
 
 def load_metadata(stream: IO[bytes], where: str | Path) -> Metadata:
