@@ -53,7 +53,10 @@ def test_a_relative_langs_path_is_read_beside_the_data_or_the_checkpoint(
     data = tmp_path / "data"
     (data / "lists").mkdir(parents=True)
     (data / "lists" / "langs.txt").write_text(",".join(CODES) + "\n")
-    upgraded = languages_as_lists(_state("lists/langs.txt", f"{tmp_path / 'shard0'}:{data}"))
+    (data / "dict.eng_Latn.txt").write_text("")  # binarised data: a data directory
+    somewhere = tmp_path / "somewhere" / "checkpoint_last.pt"
+    upgraded = languages_as_lists(_state("lists/langs.txt", f"{tmp_path / 'shard0'}:{data}"),
+                                  somewhere)
     assert upgraded["cfg"]["task"]["langs"] == CODES == upgraded["cfg"]["model"].langs
     # beside the checkpoint (a copy of the training's file), or in the training's own
     # directory: /exp for /exp/checkpoints/run/checkpoint_last.pt saved as checkpoints/run
@@ -90,6 +93,7 @@ def test_an_export_reads_a_relative_langs_path_or_refuses_in_one_line(
     data = tmp_path / "data"
     data.mkdir()
     (data / "langs.txt").write_text(",".join(CODES))
+    (data / "dict.eng_Latn.txt").write_text("")
     source = _old_checkpoint(tmp_path / "exp" / "checkpoints" / "checkpoint_last.pt",
                              "langs.txt", str(data))
     monkeypatch.chdir(tmp_path / "exp" / "checkpoints")
@@ -106,6 +110,31 @@ def test_an_export_reads_a_relative_langs_path_or_refuses_in_one_line(
         "directory the path is relative to (the training's), or copy the file beside the "
         "checkpoint; not exported")
     assert not (tmp_path / "second.pt").exists()
+
+
+def test_a_checkpoints_langs_path_reads_nothing_outside_the_directories_in_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The checkpoint names the path and its data directory: a crafted ``../secret/token``
+    beside a "data directory" of its choosing copied the token into an export as a
+    language code (the second audit). Only the working directory, the checkpoint's, the
+    training's and binarised data directories are read, links resolved; one code stored as
+    a string (mBART's tasks store ``en_XX``) is no path."""
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret" / "token").write_text("hf_SECRETTOKEN123\n")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    checkpoint = tmp_path / "ckpt" / "checkpoint_last.pt"
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "link").symlink_to(tmp_path / "secret")
+    for langs, data in (("../secret/token", str(tmp_path / "ckpt")),
+                        ("secret/token", str(tmp_path)),  # no dict.*.txt: no data directory
+                        ("link/token", None), (str(tmp_path / "secret" / "token"), None)):
+        kept = languages_as_lists(_state(langs, data), checkpoint, warn=False)
+        assert kept["cfg"]["task"]["langs"] == langs, langs
+    with caplog.at_level(logging.WARNING):
+        one = languages_as_lists(_state("en_XX"), checkpoint)
+    assert one["cfg"]["task"]["langs"] == "en_XX" and not caplog.records
 
 
 @pytest.mark.e2e  # a fresh process with the plugin's hooks installed

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import logging
 import os
 import re
@@ -187,18 +188,26 @@ def _codes_in(text: str, one_a_line: bool) -> list[str] | None:
     return codes if codes and all(_LANGUAGE_CODE.fullmatch(code) for code in codes) else None
 
 
-def _file_text(path: Any, bases: list[str] | None = None) -> str | None:
-    """The text of the file ``path``; a relative one that is not found from the working
-    directory is tried against each of ``bases`` in turn."""
-    if not isinstance(path, str) or not path:
+def _file_text(path: Any, roots: list[str] | None = None) -> str | None:
+    """The text of the file ``path`` (a ``--langs`` or ``--lang-dict``). Without ``roots``
+    (the running training's own flags) as given; with them (a checkpoint read from disk
+    names the path) only where it lies inside one of them, links resolved: a relative path
+    is tried against each in turn, an absolute one must be inside one, so that a crafted
+    ``../secret`` is not copied into an export as language codes."""
+    if not isinstance(path, str) or not path or "\0" in path:
         return None
-    tried = [path] + ([os.path.join(base, path) for base in bases or ()]
-                      if not os.path.isabs(path) else [])
-    found = next((candidate for candidate in tried if os.path.isfile(candidate)), None)
-    if found is None or os.path.getsize(found) > _LANGS_FILE_LIMIT:
-        return None
-    with open(found, encoding="utf-8", errors="replace") as text:
-        return text.read()
+    if roots is None:
+        tried, roots = [path], ["/"]
+    else:
+        roots = [os.path.realpath(root) for root in roots]
+        tried = [path] if os.path.isabs(path) else [os.path.join(root, path) for root in roots]
+    for candidate in tried:
+        real = os.path.realpath(candidate)
+        inside = any(os.path.commonpath([real, root]) == root for root in roots)
+        if inside and os.path.isfile(real) and os.path.getsize(real) <= _LANGS_FILE_LIMIT:
+            with open(real, encoding="utf-8", errors="replace") as text:
+                return text.read()
+    return None
 
 
 def _training_directory(folder: Path, save_dir: Any) -> Path | None:
@@ -213,10 +222,12 @@ def _training_directory(folder: Path, save_dir: Any) -> Path | None:
 
 
 def _relative_path_bases(state: Any, checkpoint: str | os.PathLike[str] | None) -> list[str]:
-    """Where a relative path stored in a checkpoint's config may be relative to, after the
-    working directory: its data directories (``cfg.task.data``, split as fairseq splits
-    it), the checkpoint file's directory, and the training's own directory where the file
-    is still in its relative save dir (there, its relative data directories too)."""
+    """Where a path stored in a checkpoint's config may be relative to, and the only
+    directories it may be read from: the working directory, the checkpoint file's
+    directory, the training's own directory where the file is still in its relative save
+    dir, and the checkpoint's data directories (``cfg.task.data``, split as fairseq splits
+    it; relative ones also from the training's directory) that hold binarised data (the
+    checkpoint names them: a directory without ``dict.*.txt`` is no data directory)."""
     data = []
     for key in ("task", "model"):
         try:
@@ -225,16 +236,25 @@ def _relative_path_bases(state: Any, checkpoint: str | os.PathLike[str] | None) 
             paths = None
         if isinstance(paths, str) and paths and paths != "???":
             data += split_paths(paths)
-    bases = list(data)
+    bases, data_dirs = [os.getcwd()], list(data)
     if checkpoint is not None:
         folder = Path(os.path.abspath(checkpoint)).parent
         bases.append(str(folder))
         trained_in = _training_directory(
             folder, config_entry(_config_section(state, "checkpoint"), "save_dir"))
         if trained_in is not None:
-            bases += [str(trained_in)] + [str(trained_in / path) for path in data
-                                          if not os.path.isabs(path)]
+            bases.append(str(trained_in))
+            data_dirs += [str(trained_in / path) for path in data if not os.path.isabs(path)]
+    bases += [path for path in data_dirs
+              if glob.glob(os.path.join(glob.escape(path), "dict.*.txt"))]
     return list(dict.fromkeys(bases))
+
+
+def _names_a_file(langs: str) -> bool:
+    """Whether a stored ``langs`` string is a file's path rather than one language's code
+    (``en_XX`` for mBART's tasks, which store one code as a string)."""
+    return ("/" in langs or os.sep in langs or not _LANGUAGE_CODE.fullmatch(langs)
+            or Path(langs).suffix.lower() in {".txt", ".lst", ".list", ".tsv", ".csv"})
 
 
 def unread_langs_problem(state: Any) -> str | None:
@@ -242,7 +262,7 @@ def unread_langs_problem(state: Any) -> str | None:
     means (``cfg.task.langs`` or ``cfg.model.langs`` still a file's path), else None."""
     for key in ("task", "model"):
         langs = config_entry(_config_section(state, key), "langs")
-        if isinstance(langs, str) and "," not in langs:
+        if isinstance(langs, str) and "," not in langs and _names_a_file(langs):
             return (f"cfg.{key}.langs holds the path {langs!r} of a --langs file (as earlier "
                     "plugin versions saved it), not found from the working directory, the "
                     "checkpoint's data directories or its own directory")
@@ -261,7 +281,7 @@ def languages_as_lists(state: Any, checkpoint: str | os.PathLike[str] | None = N
     it was loaded from (:func:`_relative_path_bases`). A file that is not found, or whose
     text is not a list of language codes, stays a path; ``warn`` says so in one line.
     Works on a saved state (dicts and a Namespace) and on a loaded one (omegaconf)."""
-    bases = _relative_path_bases(state, checkpoint)
+    bases = None if checkpoint is None else _relative_path_bases(state, checkpoint)
     for key in ("task", "model"):
         section = _config_section(state, key)
         langs, lang_dict = config_entry(section, "langs"), config_entry(section, "lang_dict")
