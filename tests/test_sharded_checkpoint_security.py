@@ -482,6 +482,12 @@ def test_a_save_dir_copied_with_its_shards_link_is_told_whose_shards_it_reads(
     (copy / SHARDS_DIR).unlink(missing_ok=True)
     shutil.copytree(scratch, copy / SHARDS_DIR)  # cp -rL: the copy's own
     assert "its shards are" not in verify.check(copy / INDEX).line
+    # moved, with a link left at the old name: still its own shards
+    moved = tmp_path / "moved"
+    original.rename(moved)
+    original.symlink_to(moved)
+    for save_dir in (moved, original):
+        assert "its shards are" not in verify.check(save_dir / INDEX).line, save_dir
 
 
 def test_a_tensor_claiming_more_elements_than_its_bytes_fails_verify(

@@ -217,8 +217,8 @@ def shared_with(index_file: Path, index: dict[str, Any]) -> Path | None:
     owner = next((Path(line.split(": ", 1)[1]) for line in lines[1:2]
                   if line.startswith("save dir: ")), None)
     here = Path(index_file).resolve().parent
-    if owner is None or owner == here or not owner.is_dir():
-        return None
+    if owner is None or owner.resolve() == here or not owner.is_dir():  # (moved, with a
+        return None  # link left at the old name: the same save dir)
     return owner if (owner / SHARDS_DIR).resolve() == directory.parent else None
 
 
