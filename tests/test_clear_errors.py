@@ -115,6 +115,9 @@ CHECKED = {
     # os.access says yes to root, which cannot create a file there: it trained, then failed
     "--export-consolidated /proc/model.pt: /proc does not take a new file": [
         "--task", "sharded_translation", "--export-consolidated", "/proc/model.pt"],
+    # nor a directory (second audit: the ancestor was judged by os.access alone)
+    "--export-consolidated /proc/new/model.pt: /proc does not take a new directory": [
+        "--task", "sharded_translation", "--export-consolidated", "/proc/new/model.pt"],
     # a trailing separator means a directory: it wrote a file under the directory's name
     f"--export-consolidated {Path(__file__).parent / 'exports'}/: refused: it names a "
     "directory (it ends with a separator, . or ..)": [
@@ -430,7 +433,7 @@ fairseq_shard_plugin.activate()
 corpus, save_dir, out = sys.argv[1:]
 cfg = sharded_config(corpus, "--task", "sharded_translation", "--user-dir", "fairseq_shard_plugin",
                      "--cpu", "--max-tokens", "512", "--save-dir", save_dir,
-                     "--export-consolidated", out)
+                     "--optimizer", "adam", "--export-consolidated", out)
 
 def training_whose_last_save_was_damaged(cfg, **kwargs):
     with open(f"{save_dir}/checkpoint_last.pt", "wb") as file:
@@ -516,20 +519,24 @@ def test_a_wrong_data_path_is_named_with_the_one_to_give(corpus: Path, tmp_path:
     def train(data: Path, *batch: str) -> list[str]:
         return [tool("fairseq-train"), str(data), "--cpu", "--user-dir", str(PLUGIN_DIR),
                 "--task", "sharded_translation", "--ddp-backend", "fully_sharded",
-                "--arch", "transformer", *batch, "--save-dir", str(tmp_path / f"save-{data.name}")]
+                "--arch", "transformer", "--optimizer", "adam", *batch,
+                "--save-dir", str(tmp_path / f"save-{data.name}")]
 
     tokens = ("--max-tokens", "512")
     finished = run_concurrently({"out": train(corpus.parent, *tokens),
                                  "nowhere": train(tmp_path / "x", *tokens),
                                  # relative: to where? (Hydra's run dir changes it, T1 #4)
                                  "relative": train(Path("toy/bin"), *tokens),
-                                 "no batch size": train(corpus)})
+                                 "no batch size": train(corpus),
+                                 "no optimizer": [word for word in train(corpus, *tokens)
+                                                  if word not in ("--optimizer", "adam")]})
     for name, said in (("out", f"the data directory {corpus.parent} holds the binarised data "
                                f"in {corpus}: pass {corpus}"),
                        ("nowhere", f"the data directory {tmp_path / 'x'}: no such directory: "),
                        ("relative", f"the data directory toy/bin: no such directory in {REPO}, "
                                     "the working directory: "),
-                       ("no batch size", "give --max-tokens N")):
+                       ("no batch size", "give --max-tokens N"),
+                       ("no optimizer", "give --optimizer (adam for the NLLB recipe")):
         done = finished[name]
         assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
         assert done.stderr.strip().splitlines()[-1].startswith(

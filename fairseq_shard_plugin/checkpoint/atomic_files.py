@@ -63,6 +63,22 @@ def _create_partial_file(path: Path) -> tuple[Path, BinaryIO]:
     raise FileExistsError(errno.EEXIST, f"no free temporary name beside {path}")
 
 
+def new_file_refused(path: Path) -> OSError | None:
+    """What the system says to the temporary file a write of ``path`` starts with (the same
+    name, so the same length), found by creating one and removing it; None where both
+    work. ``path`` itself is never opened."""
+    try:
+        temporary, stream = _create_partial_file(path)
+    except OSError as error:
+        return error
+    stream.close()
+    try:
+        os.unlink(temporary)
+    except OSError as error:
+        return error
+    return None
+
+
 def fsync_directory(directory: Path) -> None:
     """Make renames and creations in ``directory`` durable."""
     descriptor = os.open(directory, os.O_RDONLY)

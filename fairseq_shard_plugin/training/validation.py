@@ -11,7 +11,7 @@ from typing import Any
 
 from fairseq.models.transformer.transformer_config import DEFAULT_MIN_PARAMS_TO_WRAP
 
-from fairseq_shard_plugin.checkpoint.atomic_files import describe_os_error
+from fairseq_shard_plugin.checkpoint.atomic_files import describe_os_error, new_file_refused
 from fairseq_shard_plugin.checkpoint.consolidate import export_target_problem
 from fairseq_shard_plugin.checkpoint.portable import config_entry, saved_without_optimizer_state
 from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
@@ -44,11 +44,15 @@ def check_sharded_config(cfg: Any) -> None:
 
 def check_batch_size(cfg: Any) -> None:
     """A training needs --max-tokens or --batch-size (fairseq asserts it, with a traceback,
-    once the data is loaded); checked where fairseq-train starts, not where a trainer is
-    built (tools build trainers without a data loader)."""
+    once the data is loaded) and an --optimizer; checked where fairseq-train starts, not
+    where a trainer is built (tools build trainers without a data loader)."""
     if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:
         raise ShardingConfigError("give --max-tokens N (target tokens per batch and rank) "
                                   "or --batch-size N")
+    if getattr(cfg.optimizer, "_name", None) is None:  # fairseq: "optimizer is required!"
+        # with a traceback, after the model is built (the plugin's: an AttributeError)
+        raise ShardingConfigError("give --optimizer (adam for the NLLB recipe; sgd, nag, "
+                                  "adadelta, adamax or adagrad also shard exactly)")
 
 
 def _check_fairseq_features(cfg: Any) -> None:
@@ -181,9 +185,10 @@ def _check_values(cfg: Any) -> None:
 
 def unwritable_file(target: str) -> str | None:
     """Why a file could not be written at ``target`` (its directories created as needed),
-    or None. Checked before training; the export itself still reports what the system
-    refuses. An existing directory is probed with a new file (``os.access`` says yes to
-    root, also for ``/proc``); one still to be created, by its nearest existing ancestor."""
+    or None. Checked before training by trying: in an existing directory, the export's own
+    temporary file is created and removed (``os.access`` says yes to root, also for
+    ``/proc``); where directories are still to be made, one is made and removed in the
+    nearest existing one. The export itself still reports what the system refuses."""
     path = Path(target)
     try:
         if path.is_dir():
@@ -193,31 +198,23 @@ def unwritable_file(target: str) -> str | None:
             ancestor = ancestor.parent
         if not ancestor.is_dir():
             return f"{ancestor} is not a directory"
-        if ancestor != path.parent:  # created by the export: its ancestor must allow that
-            return None if os.access(ancestor, os.W_OK | os.X_OK) else (
-                f"{ancestor} is not writable")
     except OSError as error:  # a name too long, a loop of links, a directory not searchable
         return describe_os_error(error)
-    return _refuses_new_files(path)
-
-
-def _refuses_new_files(path: Path) -> str | None:
-    """Why ``path``'s directory does not take the export's temporary file, found by creating
-    (exclusively, under a unique hidden name at least as long as that file's
-    ``.NAME.partial-PID@PLACE-RANDOM``) and removing one; None if it does."""
-    probe = path.with_name(f".{path.name}.probe-{os.getpid()}-{secrets.token_hex(12)}")
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
-    except OSError as error:
-        if error.errno == errno.ENAMETOOLONG:
-            return (f"the name is too long for the export's temporary file beside it "
-                    f"(.NAME.partial-...): {describe_os_error(error)}")
-        return f"{path.parent} does not take a new file: {describe_os_error(error)}"
-    try:
-        os.unlink(probe)
-    except OSError as error:
-        return f"{path.parent} does not let a new file be removed: {describe_os_error(error)}"
-    return None
+    if ancestor != path.parent:  # made by the export: the ancestor must allow that
+        probe = ancestor / f".export-probe-{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            os.mkdir(probe, 0o700)
+            os.rmdir(probe)
+        except OSError as error:
+            return f"{ancestor} does not take a new directory: {describe_os_error(error)}"
+        return None
+    refused = new_file_refused(path)
+    if refused is None:
+        return None
+    if refused.errno == errno.ENAMETOOLONG:
+        return (f"the name is too long for the export's temporary file beside it "
+                f"(.NAME.partial-...): {describe_os_error(refused)}")
+    return f"{path.parent} does not take a new file: {describe_os_error(refused)}"
 
 
 def reset_flags_given(checkpoint_cfg: Any) -> list[str]:
