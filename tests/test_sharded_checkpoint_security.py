@@ -19,6 +19,7 @@ import shlex
 import shutil
 import sys
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -547,6 +548,37 @@ def test_chunks_split_along_another_dimension_are_refused_in_linear_time(
     assert not verdict.intact
     assert "gives model/w a chunk split along a dimension other than the first" in \
         verdict.line, verdict.line
+
+
+def test_stored_blocks_are_read_only_as_the_chunks_they_are_named_for(
+    genuine: _Genuine, tmp_path: Path
+) -> None:
+    """consolidate placed the blocks by their storage keys, each as long as its stored
+    shape: a valid chunk list over swapped (or extra) storage entries exported another
+    tensor, clipped and zero-filled, and verify said ok (the third audit). Extra keys are
+    refused with the metadata; a block not of its chunk's shape, when it is read."""
+    index_file, index, directory = genuine.copy(tmp_path / "save")
+    metadata = SafeFileSystemReader(directory).read_metadata()
+    entry = metadata.state_dict_metadata["model/w"]  # one 6 x 4 block
+    stored = metadata.storage_data[MetadataIndex("model/w", entry.chunks[0].offsets)]
+    metadata.storage_data[MetadataIndex("model/w", torch.Size([5, 0]))] = stored
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    verdict = verify.check(index_file)
+    assert not verdict.intact and "stores bytes for model/w that no chunk names" in \
+        verdict.line, verdict.line
+    del metadata.storage_data[MetadataIndex("model/w", torch.Size([5, 0]))]
+    entry.chunks = [ChunkStorageMetadata(offsets=torch.Size([row, 0]), sizes=torch.Size([3, 4]))
+                    for row in (0, 3)]  # two chunks, each named for the whole 6 x 4 block
+    metadata.storage_data[MetadataIndex("model/w", torch.Size([3, 0]))] = stored
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    # and its checksum in the index, as a crafted index has it
+    index[SHARDED_KEY]["crc32"][".metadata"] = zlib.crc32((directory / ".metadata").read_bytes())
+    torch.save(index, index_file)
+    with pytest.raises(consolidate.ConsolidateError,
+                       match=r"its chunk of model/w at \[0, 0\] holds a \[6, 4\] torch.float32 "
+                             r"block, not the chunk's \[3, 4\]"):
+        consolidate.export_consolidated(index_file, tmp_path / "model.pt")
+    assert not (tmp_path / "model.pt").exists()
 
 
 def test_a_changed_offset_in_the_metadata_fails_its_checksum(

@@ -309,6 +309,11 @@ def load_metadata(stream: IO[bytes], where: str | Path) -> Metadata:
                 f"{where}: entry {_shown(fqn)} is a pickled object, not a tensor (the "
                 "plugin writes only tensors; DCP would unpickle it unrestricted)")
         _check_tensor_entry(where, fqn, entry, metadata.storage_data)
+    chunk_keys = {MetadataIndex(fqn, chunk.offsets)
+                  for fqn, entry in metadata.state_dict_metadata.items() for chunk in entry.chunks}
+    stray = next((key for key in metadata.storage_data if key not in chunk_keys), None)
+    if stray is not None:  # bytes a reader placing blocks by their keys would put somewhere
+        raise _refuse(where, f"stores bytes for {_shown(stray.fqn)} that no chunk names")
     meta = metadata.storage_meta
     if not (_plain_data(metadata.planner_data) and (metadata.version is None or type(
             metadata.version) is str) and (meta is None or type(meta) is StorageMeta)):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from fairseq_shard_plugin.checkpoint.atomic_files import describe_os_error
 from fairseq_shard_plugin.checkpoint.shard_metadata import describe_chunk_failure
@@ -242,21 +242,24 @@ def _dcp_block(directory: Path, info: Any, start: tuple[int, ...]) -> StoredBloc
 
 def dcp_tensors(directory: Path, metadata: Metadata, paths: Iterable[str]
                 ) -> dict[str, StreamedTensor]:
-    """The tensors DCP saved under ``paths`` in ``directory`` (its ``metadata``), as
-    streamed tensors made of the chunks every rank wrote."""
-    wanted = set(paths)
-    chunks: dict[str, list[tuple[tuple[int, ...], Any]]] = {path: [] for path in wanted}
-    for index, info in (metadata.storage_data or {}).items():
-        if index.fqn in wanted:
-            chunks[index.fqn].append((tuple(index.offset), info))
+    """The tensors DCP saved under ``paths`` in ``directory`` (its ``metadata``, checked by
+    ``load_metadata``), as streamed tensors made of the chunks every rank wrote: each
+    chunk's stored block, which must have the chunk's shape and the tensor's dtype (a
+    crafted file could store another chunk's block under its key)."""
     tensors = {}
     for path in paths:
         entry = metadata.state_dict_metadata[path]
-        blocks = tuple(_dcp_block(directory, info, start) for start, info in chunks[path])
         shape, dtype = tuple(entry.size), entry.properties.dtype
-        stored = sum(torch.Size(block.shape).numel() for block in blocks)
-        if stored != torch.Size(shape).numel() or any(b.dtype != dtype for b in blocks):
-            raise StoredTensorError(f"{directory}: its chunks of {path} hold {stored} {dtype} "
-                                    f"elements of {torch.Size(shape).numel()}")
-        tensors[path] = StreamedTensor(shape, dtype, blocks)
+        blocks = []
+        for chunk in entry.chunks:
+            start = tuple(chunk.offsets)
+            stored = metadata.storage_data[MetadataIndex(path, chunk.offsets)]
+            block = _dcp_block(directory, stored, start)
+            if tuple(block.shape) != tuple(chunk.sizes) or block.dtype != dtype:
+                raise StoredTensorError(
+                    f"{directory}: its chunk of {path} at {list(start)} holds a "
+                    f"{list(block.shape)} {block.dtype} block, not the chunk's "
+                    f"{list(chunk.sizes)} {dtype} (a corrupted or crafted checkpoint)")
+            blocks.append(block)
+        tensors[path] = StreamedTensor(shape, dtype, tuple(blocks))
     return tensors
