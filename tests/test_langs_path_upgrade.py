@@ -59,7 +59,8 @@ def test_a_relative_langs_path_is_read_beside_the_data_or_the_checkpoint(
                                   somewhere)
     assert upgraded["cfg"]["task"]["langs"] == CODES == upgraded["cfg"]["model"].langs
     # beside the checkpoint (a copy of the training's file), or in the training's own
-    # directory: /exp for /exp/checkpoints/run/checkpoint_last.pt saved as checkpoints/run
+    # directory's data: /exp/data for /exp/checkpoints/run/checkpoint_last.pt saved as
+    # checkpoints/run with the data directory data
     beside = tmp_path / "export" / "langs.txt"
     beside.parent.mkdir()
     beside.write_text("\n".join(reversed(CODES)))
@@ -67,14 +68,17 @@ def test_a_relative_langs_path_is_read_beside_the_data_or_the_checkpoint(
         "cfg"]["task"]["langs"] == CODES[::-1]
     experiment = tmp_path / "exp"
     (experiment / "checkpoints" / "run").mkdir(parents=True)
-    (experiment / "langs.txt").write_text(" ".join(CODES))
+    (experiment / "data").mkdir()
+    (experiment / "data" / "dict.eng_Latn.txt").write_text("")
+    (experiment / "data" / "langs.txt").write_text(" ".join(CODES))
     checkpoint = experiment / "checkpoints" / "run" / "checkpoint_last.pt"
-    assert languages_as_lists(_state("langs.txt", save_dir="./checkpoints/run"), checkpoint)[
-        "cfg"]["model"].langs == CODES
+    assert languages_as_lists(_state("langs.txt", "data", save_dir="./checkpoints/run"),
+                              checkpoint)["cfg"]["model"].langs == CODES
     assert not caplog.records
-    # a save dir the checkpoint is no longer in says nothing of where the training ran
+    # the training's directory itself is not read: a crafted save dir names any ancestor
+    (experiment / "langs.txt").write_text(" ".join(CODES))
     with caplog.at_level(logging.WARNING):
-        kept = languages_as_lists(_state("langs.txt", save_dir="other/run"), checkpoint)
+        kept = languages_as_lists(_state("langs.txt", save_dir="checkpoints/run"), checkpoint)
     assert kept["cfg"]["task"]["langs"] == "langs.txt" == kept["cfg"]["model"].langs
     (warning,) = [record.getMessage() for record in caplog.records]
     assert warning == (
@@ -127,6 +131,11 @@ def test_a_checkpoints_langs_path_reads_nothing_outside_the_directories_in_use(
     checkpoint = tmp_path / "ckpt" / "checkpoint_last.pt"
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "link").symlink_to(tmp_path / "secret")
+    crafted_save_dir = languages_as_lists(  # the training's directory would be /
+        {"cfg": {"task": {"langs": str(tmp_path / "secret" / "token"), "data": None},
+                 "checkpoint": {"save_dir": str(checkpoint.parent)[1:]}}}, checkpoint,
+        warn=False)
+    assert crafted_save_dir["cfg"]["task"]["langs"] == str(tmp_path / "secret" / "token")
     for langs, data in (("../secret/token", str(tmp_path / "ckpt")),
                         ("secret/token", str(tmp_path)),  # no dict.*.txt: no data directory
                         ("link/token", None), (str(tmp_path / "secret" / "token"), None)):
@@ -142,10 +151,11 @@ def test_fairseqs_loader_upgrades_a_relative_langs_path_from_another_directory(
     tmp_path: Path
 ) -> None:
     """fairseq's ``load_checkpoint_to_cpu`` (hook 5, which generation and resumes read
-    through) in another working directory: the path read in the training's directory."""
+    through) in another working directory: the path read in the training's data."""
     experiment = tmp_path / "exp"
     (experiment / "data").mkdir(parents=True)
-    (experiment / "langs.txt").write_text(",".join(CODES))
+    (experiment / "data" / "dict.eng_Latn.txt").write_text("")
+    (experiment / "data" / "langs.txt").write_text(",".join(CODES))
     checkpoint = _old_checkpoint(experiment / "checkpoints" / "checkpoint_last.pt",
                                  "langs.txt", "data")
     gone = _old_checkpoint(tmp_path / "moved" / "checkpoint_last.pt", "langs.txt", "data")

@@ -224,10 +224,11 @@ def _training_directory(folder: Path, save_dir: Any) -> Path | None:
 def _relative_path_bases(state: Any, checkpoint: str | os.PathLike[str] | None) -> list[str]:
     """Where a path stored in a checkpoint's config may be relative to, and the only
     directories it may be read from: the working directory, the checkpoint file's
-    directory, the training's own directory where the file is still in its relative save
-    dir, and the checkpoint's data directories (``cfg.task.data``, split as fairseq splits
-    it; relative ones also from the training's directory) that hold binarised data (the
-    checkpoint names them: a directory without ``dict.*.txt`` is no data directory)."""
+    directory, and the checkpoint's data directories (``cfg.task.data``, split as fairseq
+    splits it; relative ones also from the directory the training ran in, where the file
+    is still in its relative save dir) that hold binarised data. The checkpoint names
+    those: a directory without ``dict.*.txt`` is no data directory, and the training's
+    directory itself is none of them (a crafted save dir makes it ``/`` or a home)."""
     data = []
     for key in ("task", "model"):
         try:
@@ -243,7 +244,6 @@ def _relative_path_bases(state: Any, checkpoint: str | os.PathLike[str] | None) 
         trained_in = _training_directory(
             folder, config_entry(_config_section(state, "checkpoint"), "save_dir"))
         if trained_in is not None:
-            bases.append(str(trained_in))
             data_dirs += [str(trained_in / path) for path in data if not os.path.isabs(path)]
     bases += [path for path in data_dirs
               if glob.glob(os.path.join(glob.escape(path), "dict.*.txt"))]
