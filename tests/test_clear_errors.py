@@ -474,6 +474,18 @@ def test_the_export_paths_probe_leaves_its_directory_as_it_was(tmp_path: Path) -
     assert list(tmp_path.iterdir()) == [existing]
 
 
+def test_an_export_path_under_a_dangling_link_is_refused_before_training(
+    tmp_path: Path
+) -> None:
+    """A parent that is a link to nothing was climbed over (Path.exists() is False for it):
+    the check passed and the export failed after training with EEXIST (the third audit)."""
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    for target in ("dangling/model.pt", "dangling/sub/model.pt"):
+        assert unwritable_file(str(tmp_path / target)) == (
+            f"{tmp_path / 'dangling'} is a link to nothing ({tmp_path / 'gone'})"), target
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["dangling"]
+
+
 def test_an_unsupported_optimizer_is_named_before_the_precision_it_came_with(
     corpus: Path,
 ) -> None:

@@ -194,8 +194,10 @@ def unwritable_file(target: str) -> str | None:
         if path.is_dir():
             return "it is a directory (name the file, e.g. model.pt inside it)"
         ancestor = path.parent
-        while not ancestor.exists() and ancestor != ancestor.parent:
+        while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
             ancestor = ancestor.parent
+        if ancestor.is_symlink() and not ancestor.exists():
+            return f"{ancestor} is a link to nothing ({os.readlink(ancestor)})"
         if not ancestor.is_dir():
             return f"{ancestor} is not a directory"
     except OSError as error:  # a name too long, a loop of links, a directory not searchable
