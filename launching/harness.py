@@ -10,6 +10,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -126,6 +127,17 @@ def training_args(
     ]
 
 
+def _aborted_after_training(returncode: int, output: str, nproc: int) -> bool:
+    """Whether stock fairseq's ranks (the tests' reference, never the plugin) finished
+    training (rank 0 logs it; the ranks' last updates are collectives, so all did) and one
+    then aborted in the interpreter's exit: "terminate called without an active exception"
+    (SIGABRT) from a C++ thread of torch's torn down while joinable, seen in about one stock
+    gloo run in a few hundred here (a CI run, session 26), never in the plugin's."""
+    return (returncode == -signal.SIGABRT and nproc > 1
+            and "| fairseq_cli.train | done training in " in output
+            and "terminate called without an active exception" in output)
+
+
 # Called while ranks run with the processes and each one's output so far (e.g. to signal
 # one of them at a given point of the training).
 Watcher = Callable[[list[subprocess.Popen], list[str]], None]
@@ -192,6 +204,8 @@ def run_training(
             env["FAIRSEQ_TRAIN"] = " ".join(["fairseq-shard-measure-train", *measure])
         command = [str(STOCK_LAUNCH), *args, "--ddp-backend", stock_backend]
     returncode, output = start_ranks(command, nproc, env, timeout=timeout, watch=watch)
+    if not plugin and not cuda and _aborted_after_training(returncode, output, nproc):
+        returncode = 0  # the reference's results are all there (see the function)
     if check and returncode != 0:
         raise RuntimeError(f"training failed ({returncode}):\n{output[-6000:]}")
     memory = []
