@@ -47,18 +47,27 @@ logger = logging.getLogger(__name__)
 ELEMENT_WISE_WITHOUT_FLAT_PARAMS = frozenset({"adagrad"})
 
 
+# fairseq's other optimizers whose sharded state is exact, as the refusals name them
+OTHER_ELEMENT_WISE = "sgd, nag, adadelta, adamax or adagrad"
+
+
+def _steps_element_wise(fairseq_optimizer: Any, name: str) -> bool:
+    """Whether fairseq's optimizer ``name`` updates each element on its own (a shard's
+    update is then the unsharded update of its elements)."""
+    return fairseq_optimizer.supports_flat_params or name in ELEMENT_WISE_WITHOUT_FLAT_PARAMS
+
+
 def is_element_wise(optimizer_cfg: Any) -> bool:
-    """Whether fairseq's ``--optimizer`` updates each element on its own (a shard's update is
-    then the unsharded update of its elements), as its optimizer over a stand-in says."""
+    """:func:`_steps_element_wise` for ``--optimizer``, asked of its optimizer over a
+    stand-in parameter (before the model is built)."""
     stand_in = optim.build_optimizer(optimizer_cfg, [torch.zeros(1, requires_grad=True)])
-    return (stand_in.supports_flat_params
-            or optimizer_cfg._name in ELEMENT_WISE_WITHOUT_FLAT_PARAMS)
+    return _steps_element_wise(stand_in, optimizer_cfg._name)
 
 
 def not_element_wise(name: str, sixteen_bit: str | None = None) -> ShardingConfigError:
     """The refusal of ``--optimizer name``, with the optimizers that work instead (with
     ``--memory-efficient-{sixteen_bit}`` where given: adam alone keeps 16-bit shards)."""
-    others = "sgd, nag, adadelta, adamax or adagrad"
+    others = OTHER_ELEMENT_WISE
     advice = (f"adam (fairseq's is AdamW) with --memory-efficient-{sixteen_bit}, or {others} "
               f"with --{sixteen_bit} (fp32 master shards)" if sixteen_bit else
               f"adam (fairseq's is AdamW), {others}")
@@ -103,8 +112,7 @@ def build_sharded_optimizer(cfg: Any, params: list[torch.Tensor], settings: Shar
     own_adam = uses_sharded_adam(cfg.optimizer, settings)
     fairseq_optimizer = optim.build_optimizer(
         _fairseq_optimizer_config(cfg.optimizer, own_adam), shards.locals)
-    if not (fairseq_optimizer.supports_flat_params
-            or cfg.optimizer._name in ELEMENT_WISE_WITHOUT_FLAT_PARAMS):
+    if not _steps_element_wise(fairseq_optimizer, cfg.optimizer._name):
         raise not_element_wise(cfg.optimizer._name)
     if own_adam:
         fp16_moments = fp16_adam_stats(cfg.optimizer)

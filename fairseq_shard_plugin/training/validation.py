@@ -18,7 +18,11 @@ from fairseq_shard_plugin.checkpoint.reading import read_checkpoint
 from fairseq_shard_plugin.checkpoint.sharded import SHARDS_DIR, is_sharded_index
 from fairseq_shard_plugin.errors import ShardingConfigError
 from fairseq_shard_plugin.hydra_keys import running_under_hydra
-from fairseq_shard_plugin.sharding.optimizer import is_element_wise, not_element_wise
+from fairseq_shard_plugin.sharding.optimizer import (
+    OTHER_ELEMENT_WISE,
+    is_element_wise,
+    not_element_wise,
+)
 from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
 from fairseq_shard_plugin.sharding.settings import shard_group_size
 from fairseq_shard_plugin.torch_support import installed_torch, release
@@ -51,8 +55,8 @@ def check_batch_size(cfg: Any) -> None:
                                   "or --batch-size N")
     if getattr(cfg.optimizer, "_name", None) is None:  # fairseq: "optimizer is required!"
         # with a traceback, after the model is built (the plugin's: an AttributeError)
-        raise ShardingConfigError("give --optimizer (adam for the NLLB recipe; sgd, nag, "
-                                  "adadelta, adamax or adagrad also shard exactly)")
+        raise ShardingConfigError(f"give --optimizer (adam for the NLLB recipe; "
+                                  f"{OTHER_ELEMENT_WISE} also shard exactly)")
 
 
 def _check_fairseq_features(cfg: Any) -> None:
