@@ -372,7 +372,7 @@ def _checked_configuration(cfg: Any) -> bool:
     if not is_sharded_run(cfg):
         check_any_backend(cfg)
         unused = options_given(cfg.task)
-        if unused and cfg.distributed_training.distributed_rank == 0:  # a line, not one a rank
+        if unused and distributed_utils.is_master(cfg.distributed_training):  # not one a rank
             logger.warning(
                 f"{', '.join(unused)}: the plugin's options take effect only with "
                 f"--ddp-backend fully_sharded (this run: "
@@ -605,10 +605,10 @@ def _with_sharded_checkpoints(stock_load: Callable[..., Any]) -> Callable[..., A
                 raise  # the sharded trainer names it with the model's shapes at hand
             raise CheckpointLoadError(describe_unreadable(path, error)) from error
         numbered_by = languages_numbering_the_tokens(state)  # (not a path read now)
+        loader = active_trainer_loader()
         # a --langs path, as earlier versions saved it (said where it stays one, except to
         # the plugin's trainer: a resume saves its own run's list)
-        state = languages_as_lists(state, path, warn=active_trainer_loader() is None)
-        loader = active_trainer_loader()
+        state = languages_as_lists(state, path, warn=loader is None)
         if loader is not None:
             note_checkpoint_read(_what_was_read(path, state, numbered_by))
             return loader(path, state)
@@ -857,10 +857,14 @@ def _train_modules() -> list[Any]:
     return modules
 
 
-def _multilingual_task() -> type:
-    from fairseq.tasks.translation_multi_simple_epoch import TranslationMultiSimpleEpochTask
+# fairseq's multilingual task, whose build_model and setup_task hook 13 wraps
+_MULTILINGUAL_TASK = ("fairseq.tasks.translation_multi_simple_epoch",
+                      "TranslationMultiSimpleEpochTask")
 
-    return TranslationMultiSimpleEpochTask
+
+def _multilingual_task() -> type:
+    module, name = _MULTILINGUAL_TASK
+    return getattr(importlib.import_module(module), name)
 
 
 def _unhookable() -> list[str]:
@@ -868,8 +872,7 @@ def _unhookable() -> list[str]:
     something else: each would otherwise leave its hook silently without effect. Each is
     looked up part by part, so that a missing one is named, not met as an AttributeError."""
     checkpoints = "fairseq.checkpoint_utils"
-    multilingual = ("fairseq.tasks.translation_multi_simple_epoch",
-                    "TranslationMultiSimpleEpochTask")
+    multilingual = _MULTILINGUAL_TASK
     required = [("fairseq_cli.train", name) for name in _HOOKED_NAMES] + [
         ("fairseq.distributed.utils", "call_main"),
         (checkpoints, "load_checkpoint_to_cpu"),
