@@ -25,6 +25,7 @@ from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, Valid
 
 from fairseq_shard_plugin.checkpoint.portable import PLUGIN_KEYS
 from fairseq_shard_plugin.errors import exit_with, prints_here
+from fairseq_shard_plugin.hydra_keys import fixed_groups
 
 
 class LoadShardPlugin(Callback):
@@ -68,8 +69,8 @@ def unknown_group_key(config: DictConfig) -> str | None:
     from fairseq.dataclass.configs import FairseqConfig
 
     groups = [group.name for group in dataclasses.fields(FairseqConfig)]
-    keys = {group.name: [field.name for field in dataclasses.fields(group.type)]
-            for group in dataclasses.fields(FairseqConfig) if dataclasses.is_dataclass(group.type)}
+    keys = {group: [field.name for field in dataclasses.fields(kind)]
+            for group, kind in fixed_groups().items()}
     for key in config:  # a misspelt group, or a key without one (T4 #3, session 25)
         if key in groups or key == "hydra":
             continue

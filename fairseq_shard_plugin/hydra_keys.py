@@ -29,20 +29,23 @@ def running_under_hydra() -> bool:
     return HydraConfig.initialized()
 
 
-def _fixed_groups() -> list[str]:
-    """fairseq's config groups whose keys are declared in ``FairseqConfig`` itself, in its
-    order (the component groups' keys depend on the task, model, ... chosen)."""
+def fixed_groups() -> dict[str, type]:
+    """fairseq's config groups whose keys are declared in ``FairseqConfig`` itself, each
+    with its dataclass, in its order (the component groups' keys depend on the task, model,
+    ... chosen)."""
     from fairseq.dataclass.configs import FairseqConfig
 
-    return [field.name for field in dataclasses.fields(FairseqConfig)
-            if dataclasses.is_dataclass(field.type) or (
-                isinstance(field.default_factory, type)
-                and dataclasses.is_dataclass(field.default_factory))]
+    groups = {}
+    for field in dataclasses.fields(FairseqConfig):
+        kind = field.type if dataclasses.is_dataclass(field.type) else field.default_factory
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+            groups[field.name] = kind
+    return groups
 
 
 def config_keys_by_flag(cfg: Mapping[str, Any]) -> dict[str, str]:
     """``--flag-name`` -> ``group.flag_name`` for every key of the config's groups."""
-    fixed = _fixed_groups()
+    fixed = list(fixed_groups())
     groups = [*fixed, *(name for name in cfg if name not in fixed)]
     keys: dict[str, str] = {}
     for group in groups:
