@@ -207,6 +207,26 @@ def test_the_docs_estimates_of_the_nllb_configs_are_the_estimators() -> None:
             f"`--memory-efficient-fp16`, {peaks['16-bit state']:.2f} adding") in memory
 
 
+@pytest.mark.e2e
+def test_memory_md_quotes_the_estimators_largest_batches() -> None:
+    """The --memory-budget 22 figures memory.md quotes for 600M, 1.3B and 3.3B (offloaded)
+    with the chunked loss and activation checkpointing."""
+    budget = ["--vocab", "256206", "--world-size", "2", "--max-tokens", "4096", "--fp16",
+              "--memory-budget", "22", "--criterion", "chunked_label_smoothed_cross_entropy",
+              "--checkpoint-activations", "--json"]
+    commands = {"600m": ["--arch", "nllb_dense_600m", *budget],
+                "1_3b": ["--arch", "nllb_dense_1_3b", *budget],
+                "3_3b": ["--arch", "nllb_dense_3_3b", *budget, "--cpu-offload"]}
+    done = run_concurrently({name: [tool("fairseq-shard-estimate"), *args]
+                             for name, args in commands.items()})
+    tokens = {name: json.loads(completed.stdout)["fits"]["max_tokens"]["requested"]
+              for name, completed in done.items()}
+    memory = " ".join((REPO / "docs" / "memory.md").read_text().split())
+    assert (f"command gives {tokens['600m']:,} tokens per rank; for `nllb_dense_1_3b` the same "
+            f"command gives {tokens['1_3b']:,}") in memory
+    assert f"with `--cpu-offload` as well {tokens['3_3b']:,} (its" in memory
+
+
 def test_memory_md_quotes_the_demo_as_measured() -> None:
     """docs/memory.md copies the demo's headline and table from results/demo.md (python -m
     benchmarks.demo --out benchmarks/results): the same, and the plugin's peak RSS the lower."""

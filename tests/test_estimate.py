@@ -489,7 +489,8 @@ def test_a_hydra_config_gives_the_same_estimate_as_its_flags(
     as_flags = run(["--arch", "nllb_dense_600m", "--memory-efficient-fp16", "--fp16-adam-stats",
                     "--criterion", "chunked_label_smoothed_cross_entropy",
                     "--loss-chunk-tokens", "1024", "--checkpoint-activations",
-                    "--reduce-vocabulary-in-16-bit", "--keep-vocabulary-gathered"])
+                    "--reduce-vocabulary-in-16-bit", "--keep-vocabulary-gathered",
+                    "--update-freq", "2"])
     from_config = run(["--config", config])
     # what neither named is listed; the config names the max tokens
     assert as_flags.pop("assumed") == ["--vocab 256206", "--world-size 2", "--max-tokens 4096"]

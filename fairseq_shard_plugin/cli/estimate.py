@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
 import sys
 import warnings
 
 from fairseq_shard_plugin.cli.estimate_command import (
+    command_notes,
     flags_from_training_command,
     split_command,
 )
@@ -37,18 +39,29 @@ def main(argv: list[str] | None = None) -> None:
                 raise EstimateError(  # its values were silently overridden by the command's
                     "give --config FILE or a training command after --, not both (the "
                     "command's flags and defaults describe the whole run)")
+            notes = command_notes(flags, training_command)
             flags, shape = flags_from_training_command(flags, training_command)
             report = run(flags, shape)
-            report["flags"] = flags
+            report["flags"], report["notes"] = flags, notes
     except EstimateError as error:
         sys.exit(f"{PROG}: error: {error}")
+    try:
+        _print(report, flags, training_command is not None)
+    except BrokenPipeError:  # the reader stopped early (| head): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+
+
+def _print(report: dict, flags: list[str], from_command: bool) -> None:
     estimates = report.pop("_estimates")
     if "--json" in flags:
         print(json.dumps(report, indent=2))
         return
     shape, setup = report["model"], report["setup"]
-    if training_command is not None:
+    if from_command:
         print(f"The training command as the estimator's flags: {shlex.join([PROG, *flags])}")
+        for note in report["notes"]:
+            print(note)
     if report["assumed"]:
         print(f"Assumed, as nothing gave them: {', '.join(report['assumed'])} (give them, "
               "--config FILE, or your training command after --, for your run)")

@@ -22,7 +22,13 @@ from typing import Any
 
 from fairseq_shard_plugin import names_this_plugin
 from fairseq_shard_plugin.errors import ShardPluginError
-from fairseq_shard_plugin.memory.estimate import EstimateError, build_without_memory, parser
+from fairseq_shard_plugin.memory.estimate import (
+    LAYER_NORM_SWITCHES,
+    SIZE_FLAGS,
+    EstimateError,
+    build_without_memory,
+    parser,
+)
 from fairseq_shard_plugin.memory.model import ModelShape
 
 
@@ -32,6 +38,43 @@ def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
         return argv, None
     at = argv.index("--")
     return argv[:at], argv[at + 1:]
+
+
+# the estimator's options that describe the model: with a command, its model is built
+MODEL_FLAGS = frozenset(
+    "--" + name.replace("_", "-") for name in (
+        "arch", "vocab", "attention_dropout", "share_all_embeddings", "no_share_all_embeddings",
+        *SIZE_FLAGS, *LAYER_NORM_SWITCHES))
+
+
+def _refuse_model_flags(estimator_flags: list[str]) -> None:
+    """A model option before ``--`` would be printed as used while the command's model is
+    estimated: one line naming it."""
+    for flag in estimator_flags:
+        if flag.split("=", 1)[0] in MODEL_FLAGS:
+            raise EstimateError(f"{flag.split('=', 1)[0]} before --: the model estimated is "
+                                "the one the training command builds; change it in the "
+                                "command after --")
+
+
+def command_notes(estimator_flags: list[str], train_argv: list[str]) -> list[str]:
+    """What the estimate of ``train_argv`` takes that the command does not say: the ranks
+    (no command says how many run it), and sharding where it chooses another backend."""
+    notes = []
+    if not any(flag.split("=", 1)[0] == "--world-size" for flag in estimator_flags):
+        notes.append(f"Assumed, as the command does not say: --world-size "
+                     f"{parser().get_default('world_size')} (give --world-size N before --)")
+    backend = "pytorch_ddp"  # fairseq-train's default
+    for index, flag in enumerate(train_argv):
+        if flag == "--ddp-backend" and index + 1 < len(train_argv):
+            backend = train_argv[index + 1]
+        elif flag.startswith("--ddp-backend="):
+            backend = flag.split("=", 1)[1]
+    if backend != "fully_sharded":
+        notes.append(f"The command does not shard (--ddp-backend {backend}): estimated as with "
+                     "--ddp-backend fully_sharded; as written it runs like the unsharded "
+                     "column")
+    return notes
 
 
 def _take_world_size(estimator_flags: list[str]) -> tuple[int, list[str]]:
@@ -69,13 +112,25 @@ def _parse_training_command(train_argv: list[str]) -> Any:
         raise EstimateError(f"the training command after --: {reason}") from None
     except RuntimeError as error:  # fairseq's bare RuntimeError() where no --arch is given
         if str(error):
-            raise
+            raise EstimateError(f"the training command after --: {_cause(error)}") from None
         raise EstimateError("the training command after --: give --arch (the model "
                             "architecture, e.g. transformer or nllb_dense_600m)") from None
+    except Exception as error:  # noqa: BLE001 (fairseq's own failure, e.g. --user-dir)
+        raise EstimateError(f"the training command after --: {_cause(error)}") from None
     logging.getLogger("hydra").setLevel(logging.WARNING)
     with warnings.catch_warnings():  # Hydra's deprecation notices of fairseq's compose call
         warnings.simplefilter("ignore")
-        return convert_namespace_to_omegaconf(args)
+        try:
+            return convert_namespace_to_omegaconf(args)
+        except Exception as error:  # noqa: BLE001 (e.g. an arch the task cannot hold)
+            raise EstimateError(f"the training command after --: {_cause(error)}") from None
+
+
+def _cause(error: BaseException) -> str:
+    """The innermost exception behind ``error``, as ``Type: message`` on one line."""
+    while (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
 def _without_own_user_dir(train_argv: list[str]) -> list[str]:
@@ -106,6 +161,9 @@ def flags_from_training_command(estimator_flags: list[str], train_argv: list[str
     from fairseq_shard_plugin.sharding.options import sharding_options
     from fairseq_shard_plugin.sharding.settings import shard_group_size
 
+    _refuse_model_flags(estimator_flags)
+    if {"--fp16", "--bf16"} <= set(train_argv):  # fairseq would name a TPU instead
+        raise EstimateError("the training command after --: give one of --fp16 and --bf16")
     cfg = _parse_training_command(train_argv)
     try:
         task = tasks.setup_task(cfg.task)

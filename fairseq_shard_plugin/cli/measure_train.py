@@ -6,7 +6,7 @@ live-tensor meter, on CPU runs only unless ``--tensor-meter``: it puts every ope
 through Python), the peak resident set size, when each update's optimizer step began
 (``update_starts``, for steady-state speed) and how long it took (``step_seconds``), on a
 GPU CUDA's peak allocated and reserved bytes, and with ``--profile-updates FIRST-LAST`` a
-profile of those updates (``update_timing``). Each rank writes ``{"rank", "peak_bytes",
+profile of those updates (``update_timing``). Each rank writes ``{"rank", "completed", "peak_bytes",
 "peak_rss_bytes", "update_starts", "step_seconds"[, "profile"][,
 "cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes"]}``
 as JSON to the ``--measure-out`` path, where ``{rank}`` is replaced by torchrun's rank.
@@ -130,11 +130,16 @@ def _tensor_meter_wanted(options: dict[str, str], fairseq_args: list[str]) -> bo
 
 
 def _profile_range(text: str) -> tuple[int, int]:
+    """FIRST-LAST (or one update), updates counted from 1, FIRST not after LAST."""
     first, _, last = text.partition("-")
     try:
-        return int(first), int(last or first)
+        bounds = int(first), int(last or first)
     except ValueError:
-        sys.exit(f"fairseq-shard-measure-train: --profile-updates {text}: give FIRST-LAST")
+        bounds = (0, 0)
+    if not 1 <= bounds[0] <= bounds[1]:
+        sys.exit(f"fairseq-shard-measure-train: --profile-updates {text}: give FIRST-LAST, "
+                 "update numbers from 1 with FIRST not after LAST (e.g. 32-34)")
+    return bounds
 
 
 def main() -> None:
@@ -158,17 +163,23 @@ def main() -> None:
     # is not counted in it
     hooks = [at_every_update(clock, *([profile] if profile else []), steps.started),
              after_every_update(steps.ended)]
+    completed = False
     with cuda_peaks_across_resets() as cuda_peaks:
         try:
             with meter if meter is not None else contextlib.nullcontext():
                 cli_main()
+            completed = True
+        except SystemExit as stop:  # fairseq's own exits; only a clean one completes
+            completed = stop.code in (None, 0)
+            raise
         finally:
             for hook in hooks:
                 hook.remove()
             if profile is not None:
                 profile.finish()
             out.parent.mkdir(parents=True, exist_ok=True)
-            record = {"rank": rank, "peak_bytes": meter.peak_bytes if meter else None,
+            record = {"rank": rank, "completed": completed,  # False: the run failed
+                      "peak_bytes": meter.peak_bytes if meter else None,
                       "peak_rss_bytes": peak_rss_bytes(), "update_starts": clock.starts,
                       "step_seconds": steps.seconds}
             if profile is not None:

@@ -12,6 +12,7 @@ configuration side by side, and which feature would lower the peak most.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
@@ -92,6 +93,9 @@ def parser() -> argparse.ArgumentParser:
                    help="ranks sharing the model (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=4096,
                    help="tokens per rank and step (default: %(default)s)")
+    p.add_argument("--update-freq", type=int, default=1, metavar="N",
+                   help="micro-batches per update (fairseq's; above 1 every gradient shard "
+                   "stays live from the second micro-batch on)")
     p.add_argument("--tokens-per-sentence", type=int, default=64,
                    help="sentence length (attention memory grows with it)")
     precision = p.add_mutually_exclusive_group()
@@ -155,14 +159,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _check(options: argparse.Namespace) -> None:
     for flag in ("vocab", "world_size", "max_tokens", "tokens_per_sentence",
-                 "loss_chunk_tokens", "ranks_per_node", "layers_per_unit", *SIZE_FLAGS):
+                 "loss_chunk_tokens", "ranks_per_node", "layers_per_unit", "update_freq",
+                 *SIZE_FLAGS):
         value = getattr(options, flag)
         if value is not None and value < 1:
             raise EstimateError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     for flag in ("memory_budget", "checkpoint_file_gib"):
         value = getattr(options, flag)
-        if value is not None and not value > 0:
-            raise EstimateError(f"--{flag.replace('_', '-')} must be above 0 GiB, got {value}")
+        if value is not None and not 0 < value < math.inf:
+            raise EstimateError(f"--{flag.replace('_', '-')} must be a size above 0 GiB, "
+                                f"got {value}")
+    dropout = options.attention_dropout
+    if dropout is not None and not 0 <= dropout < 1:
+        raise EstimateError(f"--attention-dropout must be a probability in [0, 1), got {dropout}")
     if options.vocab < 5:
         raise EstimateError("--vocab must exceed fairseq's 4 special symbols")
 
@@ -174,7 +183,7 @@ def setup_from(options: argparse.Namespace) -> TrainingSetup:
         tokens_per_sentence=options.tokens_per_sentence, precision=precision,
         optimizer=options.optimizer,
         **{name: getattr(options, name) for name in MODELLED_FLAGS},
-        layers_per_unit=options.layers_per_unit,
+        layers_per_unit=options.layers_per_unit, update_freq=options.update_freq,
         keep_all_gathered=options.no_reshard_after_forward,
         chunked_loss=options.criterion == CHUNKED, loss_chunk_tokens=options.loss_chunk_tokens,
         checkpoint_activations=options.checkpoint_activations, cpu_offload=options.cpu_offload,

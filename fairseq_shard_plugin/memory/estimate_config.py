@@ -98,6 +98,8 @@ def defaults_from_hydra_config(
                       else _RENAMED.get((group, key), key))
             if option not in options or value is None or value == "???":
                 continue
+            if option == "update_freq" and isinstance(value, list):  # fairseq's per-epoch
+                value = max(value, default=1)  # list: its largest decides the memory
             choices = options[option]
             if choices and value not in choices:
                 raise ValueError(f"{group} {value} is not modelled (one of "

@@ -95,6 +95,7 @@ class TrainingSetup:
     optimizer: str = "adam"  # adam | sgd
     root_unit_only: bool = False
     layers_per_unit: int = 1  # --layers-per-unit: consecutive layers of a stack per unit
+    update_freq: int = 1  # --update-freq: micro-batches per update (gradient shards kept)
     keep_root_gathered: bool = False
     keep_vocabulary_gathered: bool = False  # per-layer plans: no reshard after forward
     keep_all_gathered: bool = False  # --no-reshard-after-forward: no unit reshards after forward
@@ -110,6 +111,11 @@ class TrainingSetup:
     # CPU ranks (gloo): a reduce-scatter holds a copy of its whole input besides it
     # (benchmarks/gloo_reduce_scatter.py); NCCL does not
     gloo_collectives: bool = False
+
+    @property
+    def sentence(self) -> int:
+        """Tokens per sentence: no longer than a batch (fairseq skips longer ones)."""
+        return min(self.tokens_per_sentence, self.tokens)
 
     @property
     def compute_bytes(self) -> int:
@@ -229,7 +235,7 @@ def layer_activation_bytes(d: int, ffn: int, heads: int, sentence: int, b: int,
 
 def activation_bytes(shape: ModelShape, setup: TrainingSetup) -> tuple[float, float]:
     """(kept from forward to backward, extra while one layer is recomputed), per rank."""
-    b, tokens, s = setup.compute_bytes, setup.tokens, setup.tokens_per_sentence
+    b, tokens, s = setup.compute_bytes, setup.tokens, setup.sentence
     encoder = layer_activation_bytes(shape.encoder_dim, shape.encoder_ffn,
                                      shape.encoder_heads, s, b, False, shape.attention_dropout)
     decoder = layer_activation_bytes(shape.decoder_dim, shape.decoder_ffn,
@@ -270,6 +276,19 @@ def optimizer_step_temporary(shape: ModelShape, setup: TrainingSetup) -> float:
     return 4 * copies * min(CHUNK_ELEMENTS, local)
 
 
+def layer_backward_working_set(shape: ModelShape, setup: TrainingSetup) -> float:
+    """Bytes a layer's backward allocates besides what it recomputes and the gathered
+    copies: gradients of its feed-forward activations (2 x tokens x ffn x b), fp32 ones of
+    its d-wide activations (5 B x tokens x d), and unsharded gradients waiting for their
+    reduction (1.25 x a layer's parameters x b; FSDP2 copies them out at world size 1 too).
+    Fitted to the allocator meter's peaks of layer-bound shapes (d 256 and 512, ffn 1,024
+    and 2,048, 2,048 and 4,096 tokens, fp32 and bf16, 1 and 2 ranks): within 3%
+    (``python -m benchmarks.estimate_layers``)."""
+    d, ffn = max(shape.encoder_dim, shape.decoder_dim), max(shape.encoder_ffn, shape.decoder_ffn)
+    b = setup.compute_bytes
+    return setup.tokens * (2 * ffn * b + 5 * d) + 1.25 * b * shape.layer_unit()
+
+
 def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
     """Per-rank peak memory of one training step (after the first: Adam's state exists)."""
     n, b, r = setup.world_size, setup.compute_bytes, setup.reduce_bytes
@@ -291,8 +310,9 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
     optimizer = setup.optimizer_bytes * p / n
     buffers = shape.buffer_elements * b
     host, step_temporary, host_step = 0.0, optimizer_step_temporary(shape, setup), 0.0
-    if setup.cpu_offload:  # shards, their gradients and Adam's state stay on the host, and
-        # the optimizer steps there
+    if setup.cpu_offload and not setup.gloo_collectives:  # shards, their gradients and
+        # Adam's state stay on the host, and the optimizer steps there (on CPU ranks the
+        # host is the device: offloading moves nothing out of the peak)
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
         step_temporary, host_step = 0.0, step_temporary
 
@@ -304,7 +324,7 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
         kept_gathered = b * p
 
     saved, recompute = activation_bytes(shape, setup)
-    s = setup.tokens_per_sentence
+    s = setup.sentence
     loss_saved = 4 * tokens if setup.chunked_loss else 4 * tokens * vocab
     # --keep-vocabulary-gathered: the vocabulary unit's 16-bit copy stays from the encoder
     # embedding's forward to the end of backward, so it is live wherever activations are
@@ -322,6 +342,11 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
     # Each moment of the step, as the tensors live then; gradient shards exist only from
     # backward on (fairseq drops them at the step's start) and activations until it ends.
     state = {"params": params, "optimizer": optimizer, "buffers": buffers}
+    # --update-freq above 1: each micro-batch's backward reduce-scatters into the gradient
+    # shards, so from the second on all of them are live through the whole step
+    accumulated = grads if setup.update_freq > 1 else 0.0
+    if accumulated:
+        state["grads"] = accumulated
     moments: dict[str, dict[str, float]] = {}
     if setup.chunked_loss:
         chunk = min(setup.loss_chunk_tokens, tokens)
@@ -344,7 +369,7 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
         # being added to it (in place) are live; then the unit's reduce-scatter
         other_grads = max(grads - g * vocab_unit / n, 0.0)  # none on the device if offloaded
         moments["end of backward"] = dict(
-            state, grads=other_grads,
+            state, grads=max(other_grads, accumulated),
             temporaries=max(3 * b * vocab_unit, reduce_scatter(vocab_unit, rv)))
         # a layer's backward: the vocabulary unit's gathered copy and unsharded gradient
         # (both kept until the encoder embedding's backward), two gathered layers, one layer
@@ -353,13 +378,15 @@ def estimate(shape: ModelShape, setup: TrainingSetup) -> Estimate:
         # layer in backward) and every other unit's gradient shard (the last)
         heads = max(shape.encoder_heads, shape.decoder_heads)
         attention_grads = 8 * heads * s * tokens if shape.attention_dropout else 0.0
-        gathered = 2 * b * vocab_unit + 2 * b * layer_unit + recompute + attention_grads
+        gathered = (2 * b * vocab_unit + 2 * b * layer_unit + recompute + attention_grads
+                    + layer_backward_working_set(shape, setup))
         if keep_all:  # at the first layer's backward every layer is still gathered, in
             # place of the two counted (that layer and the next, prefetched)
             gathered += layers_kept - 2 * b * layer_unit
-        moments["layer backward"] = dict(
-            state, temporaries=kept_gathered + gathered,
-            **({"activations": saved} if saved >= other_grads else {"grads": other_grads}))
+        live = {"activations": saved} if saved >= other_grads else {"grads": other_grads}
+        if accumulated:  # (the accumulated shards are in ``state``) and every activation
+            live = {"activations": saved}
+        moments["layer backward"] = dict(state, temporaries=kept_gathered + gathered, **live)
     else:
         # one unit holds the model: its unsharded gradients next to the gathered copy, then
         # one reduce-scatter of everything (whose input gradient is already counted above)

@@ -151,8 +151,11 @@ def run_description(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> 
     if shape is None or arch not in ARCH_MODEL_REGISTRY:
         raise EstimateError(f"--arch {arch} is not an encoder-decoder transformer the "
                             "estimator models")
-    if not cfg.dataset.max_tokens:
+    if cfg.dataset.max_tokens is None:
         raise EstimateError("the estimator models batches of --max-tokens, not --batch-size")
+    if cfg.dataset.max_tokens < 1:
+        raise EstimateError(f"--max-tokens {cfg.dataset.max_tokens}: give the tokens per "
+                            "batch, at least 1")
     if optimizer not in MODELLED_OPTIMIZERS:
         raise EstimateError(f"--optimizer {optimizer} is not modelled (one of "
                             f"{', '.join(MODELLED_OPTIMIZERS)})")
@@ -176,6 +179,9 @@ def run_description(cfg: Any, model: torch.nn.Module, shard_group_size: int) -> 
     flags += ["--" + name.replace("_", "-") for name in MODELLED_FLAGS if getattr(options, name)]
     if options.layers_per_unit > 1:
         flags += ["--layers-per-unit", str(options.layers_per_unit)]
+    update_freq = max(getattr(cfg.optimization, "update_freq", None) or [1])
+    if update_freq > 1:
+        flags += ["--update-freq", str(update_freq)]
     if getattr(cfg.model, "checkpoint_activations", False):
         flags.append("--checkpoint-activations")
     if cfg.distributed_training.cpu_offload:
