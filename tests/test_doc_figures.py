@@ -208,23 +208,35 @@ def test_the_docs_estimates_of_the_nllb_configs_are_the_estimators() -> None:
 
 
 @pytest.mark.e2e
-def test_memory_md_quotes_the_estimators_largest_batches() -> None:
+def test_memory_md_quotes_the_estimators_largest_batches_and_host_cases() -> None:
     """The --memory-budget 22 figures memory.md quotes for 600M, 1.3B and 3.3B (offloaded)
-    with the chunked loss and activation checkpointing."""
+    with the chunked loss and activation checkpointing, and its host cases on 8 GPUs (the
+    build's figures went stale when layers were sharded as built)."""
     budget = ["--vocab", "256206", "--world-size", "2", "--max-tokens", "4096", "--fp16",
               "--memory-budget", "22", "--criterion", "chunked_label_smoothed_cross_entropy",
               "--checkpoint-activations", "--json"]
     commands = {"600m": ["--arch", "nllb_dense_600m", *budget],
                 "1_3b": ["--arch", "nllb_dense_1_3b", *budget],
-                "3_3b": ["--arch", "nllb_dense_3_3b", *budget, "--cpu-offload"]}
+                "3_3b": ["--arch", "nllb_dense_3_3b", *budget, "--cpu-offload"],
+                "host": ["--arch", "nllb_dense_600m", "--world-size", "8",
+                         "--memory-efficient-fp16", "--fp16-adam-stats", "--cpu-offload",
+                         "--json"]}
     done = run_concurrently({name: [tool("fairseq-shard-estimate"), *args]
                              for name, args in commands.items()})
-    tokens = {name: json.loads(completed.stdout)["fits"]["max_tokens"]["requested"]
-              for name, completed in done.items()}
+    reports = {name: json.loads(completed.stdout) for name, completed in done.items()}
+    tokens = {name: report["fits"]["max_tokens"]["requested"]
+              for name, report in reports.items() if report["fits"]}
     memory = " ".join((REPO / "docs" / "memory.md").read_text().split())
     assert (f"command gives {tokens['600m']:,} tokens per rank; for `nllb_dense_1_3b` the same "
             f"command gives {tokens['1_3b']:,}") in memory
     assert f"with `--cpu-offload` as well {tokens['3_3b']:,} (its" in memory
+    host = reports["host"]["host"]
+    build, step = (host["cases"][name] for name in ("model construction", "training step"))
+    assert (f"needs {build['per_rank_gib']:.2f} GiB per rank to build the model "
+            f"({build['per_host_gib']:.2f} per host), {step['per_rank_gib']:.2f} in the step "
+            f"({step['per_host_gib']:.2f})") in memory
+    assert (f"host peak of {host['peak']['per_rank_gib']:.2f} GiB per rank and "
+            f"{host['peak']['per_host_gib']:.2f} per host") in memory
 
 
 def test_memory_md_quotes_the_demo_as_measured() -> None:
