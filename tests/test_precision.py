@@ -208,7 +208,8 @@ def test_16_bit_state_is_8_bytes_per_parameter_and_reloads_on_three_ranks(
 # and meters, a zip record per tensor): the log announced 25% less than was written.
 SMALL = transformer_args(dim=16, ffn=32, layers=1)
 SMALL_FLAGS = {"small fp32": [], "small memory-efficient bf16": ["--memory-efficient-bf16"],
-               "small sharded fp16": ["--fp16", *SHARDED]}
+               "small sharded fp16": ["--fp16", *SHARDED],
+               "small sharded 16-bit shards": ["--memory-efficient-bf16", *SHARDED]}
 
 
 @pytest.fixture(scope="module")
@@ -259,6 +260,29 @@ def test_the_checkpoint_size_in_the_log_is_what_is_written(
     announced = float(value) * {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
     written = _written_bytes(save_dir)
     assert abs(announced - written) / written < 0.10, (announced, written)
+
+
+def test_an_export_of_16_bit_shards_is_fp32_as_from_a_full_checkpoint(
+    small_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The same --memory-efficient-bf16 run exported bf16 from its sharded checkpoints and
+    fp32 from full ones; now fp32 either way (values unchanged), bf16 when asked."""
+    from fairseq_shard_plugin.checkpoint.consolidate import export_consolidated, read_full_state
+
+    source = small_runs["small sharded 16-bit shards"] / "checkpoint_last.pt"
+    shards = read_full_state(source)["model"]
+    assert {t.dtype for t in shards.values() if t.is_floating_point()} == {torch.bfloat16}
+    export_consolidated(source, tmp_path / "plain.pt")
+    export_consolidated(source, tmp_path / "bf16.pt", torch.bfloat16)
+    plain, sixteen = (torch.load(tmp_path / name, weights_only=True)["model"]
+                      for name in ("plain.pt", "bf16.pt"))
+    for name, tensor in shards.items():
+        if tensor.is_floating_point():
+            assert plain[name].dtype == torch.float32 and sixteen[name].dtype == torch.bfloat16
+            assert torch.equal(plain[name], tensor.float()) and torch.equal(sixteen[name], tensor)
+    full = small_runs["small memory-efficient bf16"] / "checkpoint_last.pt"
+    assert {t.dtype for t in torch.load(full, weights_only=True)["model"].values()
+            if t.is_floating_point()} == {torch.float32}
 
 
 def test_an_fp16_resume_keeps_the_loss_scalers_schedule(corpus: Path, tmp_path: Path) -> None:

@@ -68,6 +68,8 @@ def test_export_streams_the_model_in_slabs_and_leaves_the_optimizer_out(
     assert sorted(exported) == ["args", "cfg", "extra_state", "model", "optimizer_history"]
     for name, tensor in state["model"].items():
         expected = tensor.to(dtype) if dtype and tensor.is_floating_point() else tensor
+        if sharded and dtype is None and tensor.dtype in (torch.float16, torch.bfloat16):
+            expected = tensor.float()  # as the same run's full checkpoint holds them
         assert exported["model"][name].dtype == expected.dtype, name
         assert torch.equal(exported["model"][name], expected), name
     assert len({exported["model"][name].untyped_storage().data_ptr() for name in TIED}) == 1

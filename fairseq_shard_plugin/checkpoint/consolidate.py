@@ -163,13 +163,21 @@ def read_full_state(path: Path) -> dict[str, Any]:
 def _with_shards(path: Path, index: dict[str, Any], exported: dict[str, Any],
                  dtype: torch.dtype | None) -> Any:
     """``exported`` (an index's entries) with each reference replaced by the tensor DCP
-    stored in chunks, model tensors cast to ``dtype``."""
+    stored in chunks, model tensors cast to ``dtype``; without one, 16-bit shards are
+    widened to fp32, as a full checkpoint of the same run holds them, so that a run's
+    export does not depend on its checkpoint format."""
     read_shard_metadata(path, index)  # the one-line checks, checksums included
     directory = shard_directory(path, index)
     metadata = SafeFileSystemReader(directory).read_metadata()
     tensors = dcp_tensors(directory, metadata, tensor_paths(exported))
-    cast = {p: t.cast(dtype) if p.startswith("model/") else t for p, t in tensors.items()}
+    cast = {p: t.cast(dtype or _widened(t.dtype)) if p.startswith("model/") else t
+            for p, t in tensors.items()}
     return fill_tensors(exported, cast)
+
+
+def _widened(dtype: torch.dtype) -> torch.dtype | None:
+    """fp32 for a 16-bit floating dtype, else None (kept)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
 
 
 class _TensorsInFile:
