@@ -205,3 +205,18 @@ def test_the_background_step_trains_bit_for_bit_as_the_step_in_line(
                 assert torch.equal(entry[key], value), (index, key)
             else:
                 assert entry[key] == value, (index, key)
+
+
+@pytest.mark.e2e
+def test_without_a_compiler_the_log_says_the_step_runs_in_line_once(
+        corpus: Path, tmp_path: Path) -> None:
+    """The log said the step ran in the background while the torch route ran in line, and
+    the missing compiler's warning came from every rank of the node."""
+    args = training_args(corpus, tmp_path, 2) + TINY + [
+        "--task", "sharded_translation", "--cpu-offload", "--memory-efficient-bf16",
+        "--fp16-adam-stats"]
+    run = run_training(args, nproc=2, plugin=True,
+                       environment={"CC": str(tmp_path / "no-such-cc")})
+    assert run.output.count("no C compiler (CC=") == 1
+    assert "host's Adam step runs in torch, in line after backward" in run.output
+    assert "in the background" not in run.output

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from fairseq_shard_plugin.sharding.settings import launcher_rank
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_adam.c")
@@ -72,7 +74,7 @@ def native_library() -> ctypes.CDLL | None:
         words = []
     found = shutil.which(words[0]) if words else None
     if found is None:
-        logger.warning(f"no C compiler ({'CC=' + given if 'CC' in os.environ else 'cc'}) on "
+        _warn_on_node(f"no C compiler ({'CC=' + given if 'CC' in os.environ else 'cc'}) on "
                        "PATH: the host Adam step runs in torch, in line (16-bit state several "
                        "times slower); install gcc (or set CC) to build the fast one")
         return None
@@ -83,12 +85,19 @@ def native_library() -> ctypes.CDLL | None:
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or error
         first_line = str(detail).strip().splitlines()[0] if str(detail).strip() else error
-        logger.warning(f"could not build the C host Adam step ({first_line}): it runs in "
+        _warn_on_node(f"could not build the C host Adam step ({first_line}): it runs in "
                        "torch, in line (16-bit state several times slower)")
         return None
     for name in ("adam_moment_maxima", "adam_update"):
         getattr(library, name).restype = ctypes.c_int
     return library
+
+
+def _warn_on_node(message: str) -> None:
+    """Log ``message`` from the first rank of each node only: the compiler and the cache
+    folder are the node's, so its other ranks meet the same."""
+    if launcher_rank(names=("LOCAL_RANK", "SLURM_LOCALID")) in (None, 0):
+        logger.warning(message)
 
 
 def _built_library(compiler: list[str]) -> Path:

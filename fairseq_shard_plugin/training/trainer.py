@@ -62,6 +62,7 @@ from fairseq_shard_plugin.run_hooks import export_follows_training, loading_into
 from fairseq_shard_plugin.sharding.full_state import loading_full_tensors_into_shards
 from fairseq_shard_plugin.sharding.gradients import maxima_reducer
 from fairseq_shard_plugin.sharding.host_step_overlap import BackgroundHostStep, owning_units
+from fairseq_shard_plugin.sharding.native_adam import SWITCH, native_library
 from fairseq_shard_plugin.sharding.optimizer import build_sharded_optimizer
 from fairseq_shard_plugin.sharding.options import checkpoint_format, sharding_options
 from fairseq_shard_plugin.sharding.parallelize import parallelize
@@ -331,9 +332,14 @@ class ShardedTrainer(Trainer):
                 {id(local): owners.get(id(param), root_unit)
                  for param, local in zip(shards.params, shards.locals, strict=True)},
                 root_unit, threads)
-            logger.info("--cpu-offload: the host's Adam step runs unit by unit in the "
-                        "background while the next forward computes the units before "
-                        "(--no-host-step-overlap: in line, after backward)")
+            if adam.native and native_library() is not None:
+                logger.info("--cpu-offload: the host's Adam step runs unit by unit in the "
+                            "background while the next forward computes the units before "
+                            "(--no-host-step-overlap: in line, after backward)")
+            else:  # the torch route stays in line (why: the C step's own warning, or SWITCH)
+                logger.info(f"--cpu-offload: the host's Adam step runs in torch, in line "
+                            f"after backward: the C step is not available (no compiler, or "
+                            f"{SWITCH}=0)")
 
     def wait_for_host_step(self) -> None:
         """Block until the last update's background host step has finished: call it before
