@@ -6,9 +6,10 @@ live-tensor meter, on CPU runs only unless ``--tensor-meter``: it puts every ope
 through Python), the peak resident set size, when each update's optimizer step began
 (``update_starts``, for steady-state speed) and how long it took (``step_seconds``), on a
 GPU CUDA's peak allocated and reserved bytes, and with ``--profile-updates FIRST-LAST`` a
-profile of those updates (``update_timing``). Each rank writes ``{"rank", "completed", "peak_bytes",
-"peak_rss_bytes", "update_starts", "step_seconds"[, "profile"][,
-"cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes"]}``
+profile of those updates (``update_timing``). Each rank writes ``{"rank", "completed",
+"peak_bytes", "peak_rss_bytes", "update_starts", "step_seconds"[, "profile"][,
+"cuda_peak_allocated_bytes", "cuda_peak_reserved_bytes"]}`` (``completed`` false: the run
+failed, and the figures cover it until then)
 as JSON to the ``--measure-out`` path, where ``{rank}`` is replaced by torchrun's rank.
 
 CUDA's peaks are whole-process peaks too: stock fairseq's ``Trainer.train_step`` resets

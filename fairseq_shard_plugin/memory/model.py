@@ -25,7 +25,10 @@ The model follows how the plugin holds memory (see ``precision.py``, ``engines/f
   (the attention there runs torch's math path, which keeps fp32 attention probabilities,
   their dropout noise and the dropped probabilities: 12 B per head and source token in
   the encoder, 20 B over the decoder's two attentions); with activation checkpointing only
-  each layer's input is kept, plus one layer's activations while it is recomputed;
+  each layer's input is kept, plus one layer's activations while it is recomputed; a
+  layer's backward adds its own working set (:func:`layer_backward_working_set`, fitted);
+- with ``--update-freq`` above 1 every gradient shard is live through the whole step from
+  the second micro-batch on (each micro-batch reduce-scatters into them);
 - the optimizer step's transient (:func:`optimizer_step_temporary`): one fp32 tensor of the
   largest local shard, or with 16-bit parameters or moments fp32 copies of one chunk of at
   most 2**24 elements; on the host with ``--cpu-offload``.
