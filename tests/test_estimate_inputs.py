@@ -131,13 +131,15 @@ def test_a_training_commands_flaws_are_one_line_naming_the_cause(corpus: Path) -
     prefix = "fairseq-shard-estimate: error: the training command after --: "
     # model options before -- were printed as used while the command's model was estimated
     for flag in (["--vocab", "100000"], ["--encoder-layers=12"], ["--arch", "nllb_dense_600m"],
-                 ["--no-share-all-embeddings"]):
+                 ["--no-share-all-embeddings"], ["--voc", "100"], ["--encoder-lay", "6"]):
         assert refusal([*flag, "--", *command]) == (
             f"fairseq-shard-estimate: error: {flag[0].split('=')[0]} before --: the model "
             "estimated is the one the training command builds; change it in the command "
             "after --")
-    assert refusal(["--", *command, "--fp16", "--bf16"]) == (
-        prefix + "give one of --fp16 and --bf16")  # fairseq names a TPU
+    for mixed in (["--fp16", "--bf16"], ["--fp16", "--memory-efficient-bf16"],
+                  ["--memory-efficient-fp16", "--bf16"]):  # fairseq names a TPU
+        assert refusal(["--", *command, *mixed]) == (
+            prefix + "give fp16 flags (--fp16, --memory-efficient-fp16) or bf16 ones, not both")
     missing = corpus.parent / "no-such-user-dir"
     assert refusal(["--", *command, "--user-dir", str(missing)]) == (
         prefix + f"FileNotFoundError: {missing}")
@@ -154,10 +156,16 @@ def test_what_the_command_does_not_say_is_named(corpus: Path,
             "before --)") in out
     assert ("The command does not shard (--ddp-backend pytorch_ddp): estimated as with "
             "--ddp-backend fully_sharded; as written it runs like the unsharded column") in out
-    estimate_main(["--world-size", "2", "--", *command, "--ddp-backend=fully_sharded",
-                   "--user-dir", str(PLUGIN_DIR), "--task", "sharded_translation"])
-    out = capsys.readouterr().out
-    assert "Assumed" not in out and "does not shard" not in out
+    sharded = [*command, "--ddp-backend=fully_sharded", "--user-dir", str(PLUGIN_DIR),
+               "--task", "sharded_translation"]
+    for ranks in (["--world-size", "2"], ["--world", "3"], ["--world-size=3"]):
+        estimate_main([*ranks, "--", *sharded])
+        out = capsys.readouterr().out
+        assert "Assumed" not in out and "does not shard" not in out
+    # a command that names its ranks is estimated at them
+    estimate_main(["--json", "--", *sharded, "--distributed-world-size", "4"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["setup"]["world_size"] == 4 and report["notes"] == []
 
 
 def test_a_reader_that_stops_early_gets_no_traceback() -> None:
@@ -168,17 +176,27 @@ def test_a_reader_that_stops_early_gets_no_traceback() -> None:
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
 
 
-def test_measure_train_refuses_a_reversed_range_and_marks_a_failed_run(tmp_path: Path) -> None:
+def test_measure_train_refuses_ranges_it_cannot_profile_and_marks_a_failed_run(
+        tmp_path: Path) -> None:
     script = Path(sys.executable).parent / "fairseq-shard-measure-train"
     out = tmp_path / "m-{rank}.json"
-    reversed_range = subprocess.run(
-        [str(script), "--measure-out", str(out), "--profile-updates", "5-2", "DATA"],
-        capture_output=True, text=True)
-    assert reversed_range.returncode == 1 and "Traceback" not in reversed_range.stderr
-    assert reversed_range.stderr.strip() == (
-        "fairseq-shard-measure-train: --profile-updates 5-2: give FIRST-LAST, update numbers "
-        "from 1 with FIRST not after LAST (e.g. 32-34)")
+    for given in ("5-2", "1-3", "3-", "a-b"):  # the profile starts at update 2's step
+        refused = subprocess.run(
+            [str(script), "--measure-out", str(out), "--profile-updates", given, "DATA"],
+            capture_output=True, text=True)
+        assert refused.returncode == 1 and refused.stderr.strip() == (
+            f"fairseq-shard-measure-train: --profile-updates {given}: give FIRST-LAST, "
+            "update numbers from 2 with FIRST not after LAST (e.g. 32-34)")
     failed = subprocess.run([str(script), "--measure-out", str(out), str(tmp_path), "--arch",
                              "no_such_arch"], capture_output=True, text=True)
     assert failed.returncode == 2
     assert json.loads((tmp_path / "m-0.json").read_text())["completed"] is False
+
+
+def test_a_configs_update_freq_must_be_whole_numbers(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("optimization:\n  update_freq: [2.5]\n")
+    with pytest.raises(EstimateError, match=r"optimization\.update_freq \[2\.5\]: give whole"):
+        run(["--config", str(config)])
+    config.write_text("optimization:\n  update_freq: [1, 3]\n")
+    assert run(["--config", str(config)])["setup"]["update_freq"] == 3

@@ -47,21 +47,36 @@ MODEL_FLAGS = frozenset(
         *SIZE_FLAGS, *LAYER_NORM_SWITCHES))
 
 
+def _option_named(flag: str) -> str:
+    """The estimator's option ``flag`` names, as argparse reads it: written out, with
+    ``=value``, or abbreviated to a unique prefix (``--voc``); else ``flag`` itself."""
+    name = flag.split("=", 1)[0]
+    options = [option for action in parser()._actions for option in action.option_strings]
+    matches = [option for option in options if option.startswith(name)]
+    return name if name in options or len(matches) != 1 else matches[0]
+
+
 def _refuse_model_flags(estimator_flags: list[str]) -> None:
     """A model option before ``--`` would be printed as used while the command's model is
     estimated: one line naming it."""
     for flag in estimator_flags:
-        if flag.split("=", 1)[0] in MODEL_FLAGS:
+        if flag.startswith("--") and _option_named(flag) in MODEL_FLAGS:
             raise EstimateError(f"{flag.split('=', 1)[0]} before --: the model estimated is "
                                 "the one the training command builds; change it in the "
                                 "command after --")
 
 
+def _gives_world_size(estimator_flags: list[str]) -> bool:
+    return any(flag.startswith("--") and _option_named(flag) == "--world-size"
+               for flag in estimator_flags)
+
+
 def command_notes(estimator_flags: list[str], train_argv: list[str]) -> list[str]:
     """What the estimate of ``train_argv`` takes that the command does not say: the ranks
-    (no command says how many run it), and sharding where it chooses another backend."""
+    (a command says how many run it only with ``--distributed-world-size``), and sharding
+    where it chooses another backend."""
     notes = []
-    if not any(flag.split("=", 1)[0] == "--world-size" for flag in estimator_flags):
+    if not _gives_world_size(estimator_flags) and _stated_world_size(train_argv) is None:
         notes.append(f"Assumed, as the command does not say: --world-size "
                      f"{parser().get_default('world_size')} (give --world-size N before --)")
     backend = "pytorch_ddp"  # fairseq-train's default
@@ -75,6 +90,17 @@ def command_notes(estimator_flags: list[str], train_argv: list[str]) -> list[str
                      "--ddp-backend fully_sharded; as written it runs like the unsharded "
                      "column")
     return notes
+
+
+def _stated_world_size(train_argv: list[str]) -> int | None:
+    """``--distributed-world-size N`` as the training command gives it, if it does."""
+    for index, flag in enumerate(train_argv):
+        value = (train_argv[index + 1] if flag == "--distributed-world-size"
+                 and index + 1 < len(train_argv) else flag.split("=", 1)[1]
+                 if flag.startswith("--distributed-world-size=") else None)
+        if value is not None and value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
 
 
 def _take_world_size(estimator_flags: list[str]) -> tuple[int, list[str]]:
@@ -162,8 +188,11 @@ def flags_from_training_command(estimator_flags: list[str], train_argv: list[str
     from fairseq_shard_plugin.sharding.settings import shard_group_size
 
     _refuse_model_flags(estimator_flags)
-    if {"--fp16", "--bf16"} <= set(train_argv):  # fairseq would name a TPU instead
-        raise EstimateError("the training command after --: give one of --fp16 and --bf16")
+    sixteen = set(train_argv)  # fairseq would name a TPU for a mix of fp16 and bf16
+    if sixteen & {"--fp16", "--memory-efficient-fp16"} and sixteen & {
+            "--bf16", "--memory-efficient-bf16"}:
+        raise EstimateError("the training command after --: give fp16 flags "
+                            "(--fp16, --memory-efficient-fp16) or bf16 ones, not both")
     cfg = _parse_training_command(train_argv)
     try:
         task = tasks.setup_task(cfg.task)
@@ -175,6 +204,9 @@ def flags_from_training_command(estimator_flags: list[str], train_argv: list[str
     arch = getattr(cfg.model, "arch", None) or getattr(cfg.model, "_name", None)
     model = build_without_memory(lambda: task.build_model(cfg.model), str(arch))
     world_size, others = _take_world_size(estimator_flags)
+    stated = _stated_world_size(train_argv)
+    if stated is not None and not _gives_world_size(estimator_flags):
+        world_size = stated
     try:  # the ranks sharing one copy: all, or one shard group with --shard-strategy hybrid
         sharing = shard_group_size(sharding_options(cfg.task), world_size, environ={})
     except ShardingConfigError as error:

@@ -131,15 +131,16 @@ def _tensor_meter_wanted(options: dict[str, str], fairseq_args: list[str]) -> bo
 
 
 def _profile_range(text: str) -> tuple[int, int]:
-    """FIRST-LAST (or one update), updates counted from 1, FIRST not after LAST."""
-    first, _, last = text.partition("-")
+    """FIRST-LAST (or one update N), as :class:`UpdateProfile` takes them: from update 2 (a
+    profile starts at the previous update's optimizer step), FIRST not after LAST."""
+    first, dash, last = text.partition("-")
     try:
-        bounds = int(first), int(last or first)
+        bounds = int(first), int(last if dash else first)
     except ValueError:
         bounds = (0, 0)
-    if not 1 <= bounds[0] <= bounds[1]:
+    if not 2 <= bounds[0] <= bounds[1]:
         sys.exit(f"fairseq-shard-measure-train: --profile-updates {text}: give FIRST-LAST, "
-                 "update numbers from 1 with FIRST not after LAST (e.g. 32-34)")
+                 "update numbers from 2 with FIRST not after LAST (e.g. 32-34)")
     return bounds
 
 

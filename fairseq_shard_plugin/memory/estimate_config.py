@@ -98,8 +98,11 @@ def defaults_from_hydra_config(
                       else _RENAMED.get((group, key), key))
             if option not in options or value is None or value == "???":
                 continue
-            if option == "update_freq" and isinstance(value, list):  # fairseq's per-epoch
-                value = max(value, default=1)  # list: its largest decides the memory
+            if option == "update_freq":  # fairseq's per-epoch list: its largest decides
+                values = value if isinstance(value, list) else [value]
+                if not all(isinstance(each, int) for each in values):
+                    raise ValueError(f"{group}.update_freq {value}: give whole numbers")
+                value = max(values, default=1)
             choices = options[option]
             if choices and value not in choices:
                 raise ValueError(f"{group} {value} is not modelled (one of "
