@@ -189,6 +189,7 @@ def test_the_docs_estimates_of_the_nllb_configs_are_the_estimators() -> None:
     modes at 600M: the same figures, or the test names the one that went stale."""
     configs = {size: ["--config", str(REPO / f"configs/nllb/dense_{size}.yaml"),
                       "--world-size", "2"] for size in ("600m", "1_3b", "3_3b")}
+    configs["600m, one micro-batch"] = [*configs["600m"], "--update-freq", "1"]
     features = ["--arch", "nllb_dense_600m", "--world-size", "2", "--max-tokens", "4096",
                 "--criterion", "chunked_label_smoothed_cross_entropy",
                 "--checkpoint-activations"]
@@ -200,6 +201,9 @@ def test_the_docs_estimates_of_the_nllb_configs_are_the_estimators() -> None:
     nllb = " ".join((REPO / "docs" / "nllb.md").read_text().split())
     assert (f"{peaks['600m']:.2f} GiB per rank at 600M on 2 ranks, {peaks['1_3b']:.2f} at "
             f"1.3B, {peaks['3_3b']:.2f} at 3.3B") in nllb
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert (f"the NLLB configs use 1024: {peaks['600m, one micro-batch']:.2f} estimated, "
+            f"{peaks['600m']:.2f} with their two micro-batches per update") in readme
     memory = " ".join((REPO / "docs" / "memory.md").read_text().split())
     assert f"--world-size 2` ({peaks['1_3b']:.2f} GiB:" in memory
     assert (f"{peaks['fp16']:.2f} GiB per rank with `--fp16`, {peaks['fp16 moments']:.2f} "
