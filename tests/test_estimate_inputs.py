@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import estimate_layers
 from fairseq_shard_plugin.cli.estimate import main as estimate_main
 from fairseq_shard_plugin.memory.estimate import EstimateError, run
 from launching.harness import PLUGIN_DIR, RESULTS
@@ -62,19 +63,11 @@ def test_the_estimate_holds_where_a_layers_backward_decides_the_peak() -> None:
     measured)."""
     rows = json.loads((RESULTS / "estimate_layers.json").read_text())
     assert len(rows) >= 10
+    flags = {name: flags for *_, (name, flags) in estimate_layers.SHAPES}
     for row in rows:
-        flags = ["--arch", "transformer", "--share-all-embeddings",
-                 "--encoder-layers", str(row["layers"]), "--decoder-layers", str(row["layers"]),
-                 "--encoder-embed-dim", str(row["d"]), "--decoder-embed-dim", str(row["d"]),
-                 "--encoder-ffn-embed-dim", str(row["ffn"]),
-                 "--decoder-ffn-embed-dim", str(row["ffn"]), "--vocab", "608",
-                 "--world-size", str(row["ranks"]), "--max-tokens", str(row["tokens"]),
-                 "--tokens-per-sentence", "9", "--loss-chunk-tokens", "512",
-                 *(["--bf16"] if row["precision"] == "bf16" else []),
-                 *(["--criterion", "chunked_label_smoothed_cross_entropy",
-                    "--checkpoint-activations"] if "chunked" in row["configuration"]
-                   else ["--criterion", "cross_entropy"])]
-        estimated = requested(flags)["peak_gib"] * 1024
+        estimated, _ = estimate_layers.estimated(
+            estimate_layers.model_flags(row["d"], row["ffn"], row["layers"]),
+            flags[row["configuration"]], row["tokens"], row["precision"], row["ranks"])
         assert estimated == pytest.approx(row["estimated_mib"], abs=0.1), row  # file current
         assert abs(estimated - row["measured_mib"]) / row["measured_mib"] < 0.03, row
 
