@@ -173,13 +173,15 @@ def test_measure_train_refuses_ranges_it_cannot_profile_and_marks_a_failed_run(
         tmp_path: Path) -> None:
     script = Path(sys.executable).parent / "fairseq-shard-measure-train"
     out = tmp_path / "m-{rank}.json"
+    from fairseq_shard_plugin.cli.measure_train import _profile_range
+
     for given in ("5-2", "1-3", "3-", "a-b"):  # the profile starts at update 2's step
-        refused = subprocess.run(
-            [str(script), "--measure-out", str(out), "--profile-updates", given, "DATA"],
-            capture_output=True, text=True)
-        assert refused.returncode == 1 and refused.stderr.strip() == (
+        with pytest.raises(SystemExit) as refused:
+            _profile_range(given)
+        assert refused.value.code == (
             f"fairseq-shard-measure-train: --profile-updates {given}: give FIRST-LAST, "
             "update numbers from 2 with FIRST not after LAST (e.g. 32-34)")
+    assert _profile_range("32-34") == (32, 34) and _profile_range("5") == (5, 5)
     failed = subprocess.run([str(script), "--measure-out", str(out), str(tmp_path), "--arch",
                              "no_such_arch"], capture_output=True, text=True)
     assert failed.returncode == 2
