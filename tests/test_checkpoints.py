@@ -422,6 +422,32 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_saved_checkpoints(
         assert len(list((tmp_path / "checkpoint_shards").iterdir())) == 1
 
 
+def test_one_ranks_disk_filling_inside_torchs_writer_stops_every_rank_in_one_line(
+    corpus: Path, tmp_path: Path
+) -> None:
+    """Rank 1's scratch disk fills (a 4 KiB file limit) while torch's C++ zip writer writes
+    its shard: the system's error stays inside the writer, which reports a short write, and
+    every rank ended in DCP's traceback. Now the same line on every rank, as for a full
+    disk, and the update-3 checkpoints intact."""
+    command = [sys.executable, str(FULL_DISK_HELPER),
+               *training_args(corpus, tmp_path, 6), *TINY, "--task", "sharded_translation",
+               "--save-interval-updates", "3", "--checkpoint-format", "sharded",
+               "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded"]
+    env = dict(os.environ, FULL_AFTER_UPDATE="4", FILE_LIMIT="4096", FULL_ON_RANK="1",
+               OMP_NUM_THREADS="1")
+    returncode, output = start_ranks(command, 2, env, timeout=120)
+    assert returncode == 1, output[-3000:]
+    errors = {line for line in output.splitlines()
+              if line.startswith("fairseq-shard-plugin: error: could not write the shards")}
+    assert len(errors) == 1, output[-3000:]
+    line = errors.pop()
+    assert "(a short write: " in line and "as on a full disk or past a file size limit" in line
+    assert f"Free space in {tmp_path} (or, where a file size limit stopped it" in line
+    assert "Traceback" not in output, output[-3000:]
+    assert saved_update(tmp_path / "checkpoint_last.pt") == 3
+    assert len(list((tmp_path / "checkpoint_shards").iterdir())) == 1
+
+
 def test_a_failed_copy_names_the_newer_checkpoint_written_whole(
     corpus: Path, tmp_path: Path
 ) -> None:

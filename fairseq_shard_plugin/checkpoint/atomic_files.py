@@ -97,6 +97,34 @@ def os_error_behind(error: BaseException) -> OSError | None:
     """The operating system's error behind ``error``, if any: torch's writers and DCP
     re-raise a failed write as their own errors (DCP keeps each rank's in ``failures``,
     as (exception, stack) pairs)."""
+    found = _behind(error, lambda each: isinstance(each, OSError))
+    return found if isinstance(found, OSError) else None
+
+
+# what torch's C++ zip writer says when the file took fewer bytes than it wrote: the
+# operating system's error (ENOSPC, EFBIG) stays inside it
+_SHORT_WRITE = ("unexpected pos", "PytorchStreamWriter failed writing")
+
+
+def describe_write_failure(error: BaseException) -> str | None:
+    """The cause of a failed write in words (:func:`describe_os_error`, or torch's writer
+    stopping short, which hides the system's error), or None where ``error`` is no write
+    failure."""
+    cause = os_error_behind(error)
+    if cause is not None:
+        return describe_os_error(cause)
+    short = _behind(error, lambda each: isinstance(each, RuntimeError)
+                    and any(text in str(each) for text in _SHORT_WRITE))
+    if short is None:
+        return None
+    return (f"the file system took fewer bytes than torch wrote (a short write: "
+            f"{' '.join(str(short).split())}), as on a full disk or past a file size limit")
+
+
+def _behind(error: BaseException, wanted: Callable[[BaseException], bool]
+            ) -> BaseException | None:
+    """The first exception in ``error``'s causes, contexts and DCP's per-rank failures that
+    is ``wanted``."""
     seen: set[int] = set()
     pending: list[BaseException | None] = [error]
     while pending:
@@ -104,7 +132,7 @@ def os_error_behind(error: BaseException) -> OSError | None:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, OSError):
+        if wanted(current):
             return current
         failures = getattr(current, "failures", None)
         if isinstance(failures, dict):
@@ -180,10 +208,10 @@ def write_atomically(path: str | Path, write: Callable[[BinaryIO], None]) -> Non
     except BaseException as error:
         if temporary is not None:
             temporary.unlink(missing_ok=True)
-        cause = os_error_behind(error)
+        cause = describe_write_failure(error)
         if cause is None or isinstance(error, WriteError) or not isinstance(error, Exception):
             raise
-        raise WriteError(f"could not write {path}: {describe_os_error(cause)}; "
+        raise WriteError(f"could not write {path}: {cause}; "
                          + (f"{path.name} is unchanged" if existed
                             else f"no {path.name} was written")) from error
     fsync_directory(path.parent)

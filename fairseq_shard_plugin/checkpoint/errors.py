@@ -76,6 +76,9 @@ def save_failure(error: WriteError, save_dir: str) -> CheckpointWriteError:
                f"system, or {smaller},")
     elif any(f"({name})" in str(error) for name in _OUT_OF_SPACE):
         fix = f"Free space in {save_dir}"
+    elif "(a short write: " in str(error):  # torch's writer hid the system's error
+        fix = (f"Free space in {save_dir} (or, where a file size limit stopped it, raise "
+               "the limit: ulimit -f)")
     else:
         fix = "Fix that"
     if not any(Path(save_dir).glob("checkpoint_last*.pt")):

@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from fairseq_shard_plugin.checkpoint.atomic_files import (
     WriteError,
     describe_os_error,
-    os_error_behind,
+    describe_write_failure,
 )
 from fairseq_shard_plugin.checkpoint.integrity import (
     RESUME_HINT,
@@ -251,14 +251,13 @@ def save_sharded(state: dict[str, Any], save_dir: str | Path, num_updates: int) 
     try:
         dcp.save(tensors, checkpoint_id=save_dir / relative)
     except (Exception, CheckpointException) as error:  # (a BaseException) on every rank
-        cause = os_error_behind(error)
+        cause = describe_write_failure(error)
         if cause is None:
             raise
         shutil.rmtree(save_dir / relative, ignore_errors=True)  # no index refers to it yet
         raise WriteError(
             f"could not write the shards of update {num_updates} to {save_dir / relative}: "
-            f"{describe_os_error(cause)}; removed them, the checkpoints saved before are "
-            "unchanged") from error
+            f"{cause}; removed them, the checkpoints saved before are unchanged") from error
     skeleton[SHARDED_KEY] = {
         "dir": relative,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,

@@ -2,8 +2,8 @@
 may write files of at most FILE_LIMIT bytes (with FULL_AT=copies: once the first file of
 that update's save is written, so that fairseq's copies of it fail).
 
-Usage: FULL_AFTER_UPDATE=K FILE_LIMIT=BYTES [FULL_AT=copies] python train_with_full_disk.py
-FAIRSEQ_ARGS...
+Usage: FULL_AFTER_UPDATE=K FILE_LIMIT=BYTES [FULL_AT=copies] [FULL_ON_RANK=R]
+python train_with_full_disk.py FAIRSEQ_ARGS... (FULL_ON_RANK: only that rank's disk fills)
 The limit is the process's RLIMIT_FSIZE, with SIGXFSZ ignored, so a write past it fails
 with EFBIG, as a write to a full disk fails with ENOSPC. The ranks' logs (files below the
 limit) keep being written. Nothing in the plugin is replaced.
@@ -25,6 +25,8 @@ FILE_LIMIT = int(os.environ["FILE_LIMIT"])
 
 
 def _fill() -> None:
+    if os.environ.get("FULL_ON_RANK", os.environ["RANK"]) != os.environ["RANK"]:
+        return  # another rank's disk (a node-local scratch disk) fills
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
 
