@@ -49,13 +49,14 @@ Hooks, in ``fairseq_cli.train`` unless named otherwise:
    whose checkpoints fairseq would train over from scratch, having lost its
    ``checkpoint_last.pt``) with a one-line error before any process group or data is
    touched, and turns a checkpoint that cannot be loaded into a one-line error naming the
-   file and the mismatch. Under ``--export-consolidated PATH`` it also runs, after training
-   on rank 0, the export of the final ``checkpoint_last.pt`` (fairseq's ``main`` has no
-   end-of-training hook; every rank learns how it went), unless a signal stopped the
-   training (hook 9). Every rank first joins rank 0 in
-   holding the save dir for the training (``checkpoint.save_dir_claim``: one training per
-   save dir, the same directory on every rank), before fairseq's ``main`` reads or writes
-   anything there.
+   file and the mismatch (and, on a rank whose peer's process ended, gloo's traceback into
+   a line pointing at that rank: ``training.peer_ended``). Under ``--export-consolidated
+   PATH`` it also runs, after training on rank 0, the export of the final
+   ``checkpoint_last.pt`` (fairseq's ``main`` has no end-of-training hook; every rank
+   learns how it went), unless a signal stopped the training (hook 9). Every rank first
+   joins rank 0 in holding the save dir for the training (``checkpoint.save_dir_claim``:
+   one training per save dir, the same directory on every rank), before fairseq's
+   ``main`` reads or writes anything there.
    ``fairseq-hydra-train`` imports ``common.user_dir`` inside ``main``, after this call:
    there the plugin's Hydra callback (``hydra_callback``) activates the plugin at job start.
 5. ``checkpoint_utils.save_checkpoint``: fairseq writes the first checkpoint name through
@@ -262,6 +263,7 @@ from fairseq_shard_plugin.training.launch_env import (
     default_allocator_setting,
     uses_cuda,
 )
+from fairseq_shard_plugin.training.peer_ended import peer_ended_line
 from fairseq_shard_plugin.training.private_state import with_private_loaded_state
 from fairseq_shard_plugin.training.train_then_export import TrainThenExport, first_failure
 from fairseq_shard_plugin.training.validation import (
@@ -415,6 +417,11 @@ def _with_launcher_environment(stock_call_main: Callable[..., Any]) -> Callable[
             return stock_call_main(cfg, TrainThenExport(main) if sharded else main, **kwargs)
         except ShardPluginError as error:
             exit_with(_error_line(error, cfg), print_it=prints_here(error.node_wide))
+        except RuntimeError as error:  # a peer rank's process ended: its error says why
+            line = peer_ended_line(error) if sharded else None
+            if line is None:
+                raise
+            exit_with(line)
 
     return _marked(call_main, stock_call_main)
 

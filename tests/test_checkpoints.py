@@ -448,6 +448,20 @@ def test_one_ranks_disk_filling_inside_torchs_writer_stops_every_rank_in_one_lin
     assert len(list((tmp_path / "checkpoint_shards").iterdir())) == 1
 
 
+def test_a_rank_whose_peer_was_killed_ends_in_one_line(corpus: Path, tmp_path: Path) -> None:
+    """Rank 1 is killed (SIGKILL) as update 3 starts: rank 0 learned it inside its next
+    collective and printed gloo's 60-line traceback; now one line naming what happened."""
+    command = [sys.executable, str(REPO / "tests" / "helpers" / "rank_killed.py"),
+               *training_args(corpus, tmp_path, 6), *TINY, "--task", "sharded_translation",
+               "--user-dir", str(PLUGIN_DIR), "--ddp-backend", "fully_sharded"]
+    env = dict(os.environ, KILLED_RANK="1", KILL_AT_UPDATE="3", OMP_NUM_THREADS="1")
+    returncode, output = start_ranks(command, 2, env, timeout=120)
+    assert returncode != 0, output[-3000:]
+    assert ("fairseq-shard-plugin: error: rank 0: another rank's process ended while this "
+            "one waited for it in a collective (gloo: connection closed)") in output
+    assert "Traceback" not in output, output[-3000:]
+
+
 def test_a_failed_copy_names_the_newer_checkpoint_written_whole(
     corpus: Path, tmp_path: Path
 ) -> None:
