@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from fairseq_shard_plugin.sharding.settings import launcher_rank
 
-# gloo's words for a peer whose process ended (its TCP connection closed or reset)
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+# gloo's words for a peer whose process ended: its TCP connection closed or reset, or a
+# write to it failing on the closed socket
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+_GLOO = "gloo/transport"  # the file in gloo's messages: a collective's connection
 
 
 def peer_ended_line(error: BaseException) -> str | None:
@@ -19,7 +21,7 @@ def peer_ended_line(error: BaseException) -> str | None:
     process ended during a collective; None for any other error."""
     current: BaseException | None = error
     while current is not None:
-        if isinstance(current, RuntimeError) and any(
+        if isinstance(current, RuntimeError) and _GLOO in str(current) and any(
                 words in str(current) for words in _PEER_GONE):
             rank = launcher_rank()
             return (f"fairseq-shard-plugin: error: {'' if rank is None else f'rank {rank}: '}"
