@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import NoReturn
 
@@ -31,6 +32,29 @@ class ShardPluginError(Exception):
 
 class ShardingConfigError(ShardPluginError, ValueError):
     """A configuration the plugin cannot train; the message says what to change."""
+
+
+def error_behind(error: BaseException, wanted: Callable[[BaseException], bool]
+                 ) -> BaseException | None:
+    """The first exception that is ``wanted`` among ``error``, its causes and contexts and
+    DCP's per-rank failures (``CheckpointException.failures``: (exception, stack) pairs)."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if wanted(current):
+            return current
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                failure = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(failure, BaseException):
+                    pending.append(failure)
+        pending.extend((current.__cause__, current.__context__))
+    return None
 
 
 def report_in_one_line() -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-from fairseq_shard_plugin.errors import ShardPluginError
+from fairseq_shard_plugin.errors import ShardPluginError, error_behind
 
 _PARTIAL_MARK = ".partial-"
 _RANDOM_HEX_DIGITS = 12
@@ -97,7 +97,7 @@ def os_error_behind(error: BaseException) -> OSError | None:
     """The operating system's error behind ``error``, if any: torch's writers and DCP
     re-raise a failed write as their own errors (DCP keeps each rank's in ``failures``,
     as (exception, stack) pairs)."""
-    found = _behind(error, lambda each: isinstance(each, OSError))
+    found = error_behind(error, lambda each: isinstance(each, OSError))
     return found if isinstance(found, OSError) else None
 
 
@@ -113,35 +113,12 @@ def describe_write_failure(error: BaseException) -> str | None:
     cause = os_error_behind(error)
     if cause is not None:
         return describe_os_error(cause)
-    short = _behind(error, lambda each: isinstance(each, RuntimeError)
-                    and any(text in str(each) for text in _SHORT_WRITE))
+    short = error_behind(error, lambda each: isinstance(each, RuntimeError)
+                         and any(text in str(each) for text in _SHORT_WRITE))
     if short is None:
         return None
     return (f"the file system took fewer bytes than torch wrote (a short write: "
             f"{' '.join(str(short).split())}), as on a full disk or past a file size limit")
-
-
-def _behind(error: BaseException, wanted: Callable[[BaseException], bool]
-            ) -> BaseException | None:
-    """The first exception in ``error``'s causes, contexts and DCP's per-rank failures that
-    is ``wanted``."""
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [error]
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if wanted(current):
-            return current
-        failures = getattr(current, "failures", None)
-        if isinstance(failures, dict):
-            for failure in failures.values():
-                failure = failure[0] if isinstance(failure, tuple) and failure else failure
-                if isinstance(failure, BaseException):
-                    pending.append(failure)
-        pending.extend((current.__cause__, current.__context__))
-    return None
 
 
 def describe_os_error(error: OSError) -> str:

@@ -21,6 +21,7 @@ import warnings
 from typing import Any
 
 from fairseq_shard_plugin import names_this_plugin
+from fairseq_shard_plugin.checkpoint.errors import first_cause
 from fairseq_shard_plugin.errors import ShardPluginError
 from fairseq_shard_plugin.memory.estimate import (
     LAYER_NORM_SWITCHES,
@@ -138,25 +139,18 @@ def _parse_training_command(train_argv: list[str]) -> Any:
         raise EstimateError(f"the training command after --: {reason}") from None
     except RuntimeError as error:  # fairseq's bare RuntimeError() where no --arch is given
         if str(error):
-            raise EstimateError(f"the training command after --: {_cause(error)}") from None
+            raise EstimateError(f"the training command after --: {first_cause(error)}") from None
         raise EstimateError("the training command after --: give --arch (the model "
                             "architecture, e.g. transformer or nllb_dense_600m)") from None
     except Exception as error:  # noqa: BLE001 (fairseq's own failure, e.g. --user-dir)
-        raise EstimateError(f"the training command after --: {_cause(error)}") from None
+        raise EstimateError(f"the training command after --: {first_cause(error)}") from None
     logging.getLogger("hydra").setLevel(logging.WARNING)
     with warnings.catch_warnings():  # Hydra's deprecation notices of fairseq's compose call
         warnings.simplefilter("ignore")
         try:
             return convert_namespace_to_omegaconf(args)
         except Exception as error:  # noqa: BLE001 (e.g. an arch the task cannot hold)
-            raise EstimateError(f"the training command after --: {_cause(error)}") from None
-
-
-def _cause(error: BaseException) -> str:
-    """The innermost exception behind ``error``, as ``Type: message`` on one line."""
-    while (error.__cause__ or error.__context__) is not None:
-        error = error.__cause__ or error.__context__  # type: ignore[assignment]
-    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+            raise EstimateError(f"the training command after --: {first_cause(error)}") from None
 
 
 def _without_own_user_dir(train_argv: list[str]) -> list[str]:

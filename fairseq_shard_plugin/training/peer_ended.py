@@ -8,6 +8,7 @@ with a line that says so and points at the rank that knows why.
 
 from __future__ import annotations
 
+from fairseq_shard_plugin.errors import error_behind
 from fairseq_shard_plugin.sharding.settings import launcher_rank
 
 # gloo's words for a peer whose process ended: its TCP connection closed or reset, or a
@@ -19,14 +20,13 @@ _GLOO = "gloo/transport"  # the file in gloo's messages: a collective's connecti
 def peer_ended_line(error: BaseException) -> str | None:
     """The line that ends this rank when ``error`` (or what caused it) says a peer's
     process ended during a collective; None for any other error."""
-    current: BaseException | None = error
-    while current is not None:
-        if isinstance(current, RuntimeError) and _GLOO in str(current) and any(
-                words in str(current) for words in _PEER_GONE):
-            rank = launcher_rank()
-            return (f"fairseq-shard-plugin: error: {'' if rank is None else f'rank {rank}: '}"
-                    "another rank's process ended while this one waited for it in a "
-                    "collective (gloo: connection closed); that rank's own error, or the "
-                    "signal that ended it in the launcher's summary, says why")
-        current = current.__cause__ or current.__context__
-    return None
+    gone = error_behind(error, lambda each: isinstance(each, RuntimeError)
+                        and _GLOO in str(each) and any(words in str(each)
+                                                       for words in _PEER_GONE))
+    if gone is None:
+        return None
+    rank = launcher_rank()
+    return (f"fairseq-shard-plugin: error: {'' if rank is None else f'rank {rank}: '}"
+            "another rank's process ended while this one waited for it in a collective "
+            "(gloo: connection closed); that rank's own error, or the signal that ended it "
+            "in the launcher's summary, says why")
