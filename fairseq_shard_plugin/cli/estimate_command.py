@@ -80,12 +80,7 @@ def command_notes(estimator_flags: list[str], train_argv: list[str]) -> list[str
     if not _gives_world_size(estimator_flags) and _stated_world_size(train_argv) is None:
         notes.append(f"Assumed, as the command does not say: --world-size "
                      f"{parser().get_default('world_size')} (give --world-size N before --)")
-    backend = "pytorch_ddp"  # fairseq-train's default
-    for index, flag in enumerate(train_argv):
-        if flag == "--ddp-backend" and index + 1 < len(train_argv):
-            backend = train_argv[index + 1]
-        elif flag.startswith("--ddp-backend="):
-            backend = flag.split("=", 1)[1]
+    backend = _given(train_argv, "--ddp-backend") or "pytorch_ddp"  # fairseq-train's default
     if backend != "fully_sharded":
         notes.append(f"The command does not shard (--ddp-backend {backend}): estimated as with "
                      "--ddp-backend fully_sharded; as written it runs like the unsharded "
@@ -93,15 +88,22 @@ def command_notes(estimator_flags: list[str], train_argv: list[str]) -> list[str
     return notes
 
 
+def _given(train_argv: list[str], flag: str) -> str | None:
+    """The value ``flag`` is given in ``train_argv`` (``FLAG VALUE`` or ``FLAG=VALUE``; the
+    last one, as argparse takes it), or None."""
+    value = None
+    for index, word in enumerate(train_argv):
+        if word == flag and index + 1 < len(train_argv):
+            value = train_argv[index + 1]
+        elif word.startswith(flag + "="):
+            value = word.split("=", 1)[1]
+    return value
+
+
 def _stated_world_size(train_argv: list[str]) -> int | None:
     """``--distributed-world-size N`` as the training command gives it, if it does."""
-    for index, flag in enumerate(train_argv):
-        value = (train_argv[index + 1] if flag == "--distributed-world-size"
-                 and index + 1 < len(train_argv) else flag.split("=", 1)[1]
-                 if flag.startswith("--distributed-world-size=") else None)
-        if value is not None and value.isdigit() and int(value) > 0:
-            return int(value)
-    return None
+    value = _given(train_argv, "--distributed-world-size")
+    return int(value) if value is not None and value.isdigit() and int(value) > 0 else None
 
 
 def _take_world_size(estimator_flags: list[str]) -> tuple[int, list[str]]:
