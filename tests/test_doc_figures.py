@@ -189,7 +189,8 @@ def test_the_docs_estimates_of_the_nllb_configs_are_the_estimators() -> None:
     modes at 600M: the same figures, or the test names the one that went stale."""
     configs = {size: ["--config", str(REPO / f"configs/nllb/dense_{size}.yaml"),
                       "--world-size", "2"] for size in ("600m", "1_3b", "3_3b")}
-    configs["600m, one micro-batch"] = [*configs["600m"], "--update-freq", "1"]
+    for size in ("600m", "1_3b", "3_3b"):
+        configs[f"{size}, one micro-batch"] = [*configs[size], "--update-freq", "1"]
     features = ["--arch", "nllb_dense_600m", "--world-size", "2", "--max-tokens", "4096",
                 "--criterion", "chunked_label_smoothed_cross_entropy",
                 "--checkpoint-activations"]
@@ -201,11 +202,14 @@ def test_the_docs_estimates_of_the_nllb_configs_are_the_estimators() -> None:
     nllb = " ".join((REPO / "docs" / "nllb.md").read_text().split())
     assert (f"{peaks['600m']:.2f} GiB per rank at 600M on 2 ranks, {peaks['1_3b']:.2f} at "
             f"1.3B, {peaks['3_3b']:.2f} at 3.3B") in nllb
+    single = [f"{peaks[f'{size}, one micro-batch']:.2f}" for size in ("600m", "1_3b", "3_3b")]
+    assert f"{single[0]}, {single[1]} and {single[2]} adding `--update-freq 1`" in nllb
     readme = " ".join((REPO / "README.md").read_text().split())
     assert (f"the NLLB configs use 1024: {peaks['600m, one micro-batch']:.2f} estimated, "
             f"{peaks['600m']:.2f} with their two micro-batches per update") in readme
     memory = " ".join((REPO / "docs" / "memory.md").read_text().split())
     assert f"--world-size 2` ({peaks['1_3b']:.2f} GiB:" in memory
+    assert f"second micro-batch on: {single[1]} adding `--update-freq 1`" in memory
     assert (f"{peaks['fp16']:.2f} GiB per rank with `--fp16`, {peaks['fp16 moments']:.2f} "
             f"adding `--fp16-adam-stats`, {peaks['16-bit']:.2f} with "
             f"`--memory-efficient-fp16`, {peaks['16-bit state']:.2f} adding") in memory
